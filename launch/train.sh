@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One node: torchrun with NPROC processes. Extra arguments are Hydra overrides.
+#
+#   launch/train.sh                                   # the embedded default
+#   NPROC=2 launch/train.sh parallel.tp=2 train.iters=30
+#   NPROC=8 launch/train.sh model=llama_1b parallel=tp2_sp train.precision=bf16
+#   DRY_RUN=1 launch/train.sh parallel.tp=2           # print the command, run nothing
+#
+# Knobs (environment):
+#   NPROC        processes on this node (default: number of GPUs, or 2 without GPUs)
+#   RUN_DIR      run directory shared by all ranks (default: outputs/<date>/<time>)
+#   MASTER_PORT  rendezvous port (default: a free one)
+#   PYTHON       interpreter (default: .venv/bin/python if present, else python3)
+#   DRY_RUN=1    print the exact command instead of running it
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=launch/common.sh
+source launch/common.sh
+
+NPROC="${NPROC:-$(default_nproc)}"
+RUN_DIR="${RUN_DIR:-outputs/$(date +%Y-%m-%d)/$(date +%H-%M-%S)}"
+MASTER_PORT="${MASTER_PORT:-$(free_port)}"
+
+check_config "$NPROC" "$@"
+cmd=("$PYTHON" -m torch.distributed.run --nnodes 1 --nproc-per-node "$NPROC"
+     --master-addr 127.0.0.1 --master-port "$MASTER_PORT"
+     train.py "hydra.run.dir=$RUN_DIR" "$@")
+run_or_print "${cmd[@]}"

@@ -1,0 +1,62 @@
+"""This pipeline stage's slice of the transformer layers (+ the final norm on the last stage).
+
+Which layers a stage (and virtual stage) builds comes from Megatron-Core's own helpers, so the layer
+numbering is exactly Megatron's: with L layers, P stages and V virtual chunks, chunk v of stage p holds
+layers v*L/V + p*L/(P*V) ... + L/(P*V). Checkpoint keys use the global layer index, so a checkpoint
+loads into any pipeline layout.
+"""
+
+import contextlib
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import sharded_state_dict_default
+
+from models.layer import TransformerLayer
+from models.norm import Norm
+
+
+class TransformerStack(MegatronModule):
+    def __init__(self, config: TransformerConfig, post_process: bool, vp_stage: int | None):
+        super().__init__(config=config)
+        self.vp_stage = vp_stage
+        self.offset = get_transformer_layer_offset(config, vp_stage)
+        count = get_num_layers_to_build(config, vp_stage)
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(config, layer_number=self.offset + i + 1) for i in range(count)
+        )
+        self.final_layernorm = Norm(config, config.hidden_size) if post_process else None
+        self.full_recompute = config.recompute_granularity == "full"
+
+    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None):  # [s(/tp), b, h]
+        # Under SP each TP rank holds different tokens: hidden dropout must differ across ranks.
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel \
+            else contextlib.nullcontext()
+        with rng:
+            for layer in self.layers:
+                if self.full_recompute and self.training:  # keep only each layer's input
+                    x = tensor_parallel.checkpoint(layer, False, x, rotary_freqs)
+                else:
+                    x = layer(x, rotary_freqs)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Keys `layers.<global index>.*` (Megatron's TransformerBlock scheme) so PP can change on load."""
+        state = {}
+        for local_index, layer in enumerate(self.layers):
+            local_prefix = f"{prefix}layers.{local_index}."
+            global_prefix = f"{prefix}layers.{layer.layer_number - 1}."
+            layer_state = layer.sharded_state_dict(local_prefix, sharded_offsets, metadata)
+            replace_prefix_for_sharding(layer_state, local_prefix, global_prefix)
+            state.update(layer_state)
+        if self.final_layernorm is not None:
+            state.update(sharded_state_dict_default(self.final_layernorm, f"{prefix}final_layernorm.",
+                                                    sharded_offsets, metadata))
+        return state

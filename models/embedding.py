@@ -1,0 +1,40 @@
+"""Token embedding (vocab-parallel) + optional learned positions -> dropout, in [s, b, h] layout.
+
+Under sequence parallelism the output is scattered along the sequence ([s/tp, b, h]) and dropout
+is drawn from the TP-distinct RNG stream (each rank holds different tokens). Without SP the
+activations are replicated across TP ranks and dropout uses the default stream, identical on all
+of them, as in Megatron-Core's LanguageModelEmbedding.
+"""
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class Embedding(MegatronModule):
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                 learned_positions: bool):
+        super().__init__(config=config)
+        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
+        )
+        self.position_embeddings = None
+        if learned_positions:
+            self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,
+                                                          dtype=config.params_dtype)
+            if config.perform_initialization:
+                config.embedding_init_method(self.position_embeddings.weight)
+        self.dropout = torch.nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] token ids
+        x = self.word_embeddings(input_ids)  # [b, s, h] (VocabParallelEmbedding all-reduces over TP)
+        if self.position_embeddings is not None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.position_embeddings(positions)  # [s, h] broadcast over b
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.config.sequence_parallel:
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x)  # [s/tp, b, h]
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self.dropout(x)
+        return self.dropout(x)

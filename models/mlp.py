@@ -1,0 +1,56 @@
+"""MLP: ColumnParallelLinear (h -> ffn/tp, or 2*ffn/tp gate|up for SwiGLU) -> act -> RowParallelLinear.
+
+Weight layout (SwiGLU): the full fc1 weight is [gate; up] ([2*ffn, h]). `stride=2` makes each TP rank
+hold [gate_r; up_r], so the local output splits into the rank's gate and up halves.
+"""
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+
+class MLP(MegatronModule):
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config=config)
+        ffn = config.ffn_hidden_size
+        self.gated = config.gated_linear_unit
+        self.activation = config.activation_func
+        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, 2 * ffn if self.gated else ffn, config=config,
+            init_method=config.init_method, bias=config.add_bias_linear, gather_output=False,
+            stride=2 if self.gated else 1,
+        )
+        self.linear_fc2 = tensor_parallel.RowParallelLinear(
+            ffn, config.hidden_size, config=config, init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+        )
+
+    def forward(self, x: torch.Tensor):  # [s(/tp), b, h]
+        x, _ = self.linear_fc1(x)  # [s, b, ffn/tp] or [s, b, 2*ffn/tp]; bias added inside
+        if self.gated:
+            gate, up = torch.chunk(x, 2, dim=-1)  # 2 x [s, b, ffn/tp]
+            x = self.activation(gate) * up
+        else:
+            x = self.activation(x)
+        return self.linear_fc2(x)  # ([s(/tp), b, h], bias or None): bias added with the residual
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """SwiGLU's fc1 is saved as two TP-sharded halves (gate, up), so TP can change on load."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.gated:
+            for key in (f"{prefix}linear_fc1.weight", f"{prefix}linear_fc1.bias"):
+                if key in state:
+                    state[key] = apply_swiglu_sharded_factory(
+                        state[key], sharded_offsets, tp_group=self.linear_fc1.tp_group,
+                        dp_group=metadata["dp_cp_group"])
+        return state
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """The SiLU gate of SwiGLU (`gated_linear_unit=True` + this activation)."""
+    return F.silu(x)

@@ -1,0 +1,84 @@
+"""Run a function on N gloo processes, as torchrun would, and report every rank's failure.
+
+    results = run_distributed(fn, world_size=4, args=(...,), timeout=120)
+
+`fn` must be importable by name (a module-level function). Each process gets RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT (a free port) in its environment; `fn(*args)` runs there and its
+return value (picklable) comes back in rank order. If any rank raises, hangs past `timeout`, or dies,
+the remaining ranks are killed and the test fails with each failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+# Collective timeout inside the workers: short, so a hang shows up as an error, not a 30-minute wait.
+WORKER_COLLECTIVE_TIMEOUT_MIN = 2.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    try:
+        # Results travel as torch.save bytes: tensors sent through the queue as shared memory would be
+        # lost when this process exits before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 180.0) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[bool, object]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+                outcomes[rank] = (ok, value)
+                if not ok:  # give the peers a moment to fail too, then stop waiting
+                    deadline = min(deadline, time.monotonic() + 10.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes
+                        and p.exitcode not in (None, 0)]
+                for r in dead:
+                    outcomes[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}")
+            if time.monotonic() > deadline:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if missing:
+        failures.append(f"ranks {missing} did not finish within {timeout:.0f} s (hang or deadlock)")
+    if failures:
+        raise AssertionError(f"{fn.__name__} failed on {world_size} processes:\n" + "\n".join(failures))
+    return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,180 @@
+"""Run one training step of the GPT at any layout from the same full weights, and gather what it
+produced (loss, logits, every parameter's gradient) back into full, single-process shapes.
+
+The parent test process calls `run_layout(overrides, world_size, weights, batch)`; inside each rank
+the model is built by the real engine (training.build: Megatron-Core DDP, schedules,
+finalize_model_grads), the full weights are sliced into this rank's shards, and the step runs through
+`training.loop.run_schedule`. Each rank returns its shards tagged with how they were cut; `assemble`
+glues them back (and checks that replicas agree).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness import run_distributed
+
+VOCAB = 101  # deliberately not a multiple of 2: padding must not change anything
+
+
+def test_overrides(*extra: str) -> list[str]:
+    """The small model every equivalence case starts from (GQA, SwiGLU, RMSNorm, RoPE, tied)."""
+    base = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
+            "model.num_query_groups=2", "model.ffn_hidden_size=96", "model.seq_length=16",
+            f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=1",
+            "train.micro_batch_size=2", "train.global_batch_size=4", "checkpoint=none",
+            "optim.clip_grad=0.0", "train.tensorboard=false"]
+    return base + list(extra)
+
+
+def make_batch(global_batch: int, seq: int, seed: int = 0) -> list[dict]:
+    """A global batch as a list of samples (the MicroBatches reader indexes it like a dataset)."""
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, VOCAB, (global_batch, seq + 1), generator=g)
+    mask = torch.ones(global_batch, seq)
+    mask[:, :3] = 0.0  # a loss mask that actually masks something
+    return [{"tokens": text[i, :-1], "labels": text[i, 1:], "loss_mask": mask[i]} for i in range(global_batch)]
+
+
+def global_name(gpt, local_name: str) -> str:
+    """decoder.layers.<local>.x -> decoder.layers.<global>.x (PP stages hold different layers)."""
+    if local_name.startswith("decoder.layers."):
+        local = int(local_name.split(".")[2])
+        rest = local_name.split(".", 3)[3]
+        return f"decoder.layers.{gpt.decoder.layers[local].layer_number - 1}.{rest}"
+    if local_name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+    return local_name
+
+
+def shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of a full tensor, cut as Megatron-Core's CPU init cuts it (dim, stride)."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+        return full
+    dim, stride = param.partition_dim, param.partition_stride
+    rows = param.shape[dim] * tp_size  # padded size (vocab) may exceed the full tensor's
+    if full.shape[dim] < rows:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = rows - full.shape[dim]
+        full = torch.cat([full, torch.zeros(pad_shape, dtype=full.dtype)], dim=dim)
+    pieces = torch.split(full, param.shape[dim] // stride, dim=dim)
+    return torch.cat(pieces[tp_rank::tp_size], dim=dim)
+
+
+def assemble(parts: list[tuple], full_rows: int | None) -> torch.Tensor:
+    """Inverse of `shard` from every rank's (tp_rank, tp_size, dim, stride, tensor) pieces."""
+    by_rank: dict[int, list] = {}
+    for part in parts:
+        by_rank.setdefault(part[0], []).append(part)
+    for rank_parts in by_rank.values():  # replicas (DP, or TP-replicated params) must agree exactly
+        for other in rank_parts[1:]:
+            torch.testing.assert_close(other[4], rank_parts[0][4], rtol=0, atol=0)
+    tp_rank, tp_size, dim, stride, tensor = by_rank[0][0]
+    if dim is None or tp_size == 1:
+        if len(by_rank) > 1:  # TP-replicated parameter: all TP ranks must agree
+            for r in by_rank:
+                torch.testing.assert_close(by_rank[r][0][4], tensor, rtol=1e-6, atol=1e-7)
+        out = tensor
+    else:
+        chunks = [torch.split(by_rank[r][0][4], by_rank[r][0][4].shape[dim] // stride, dim=dim)
+                  for r in range(tp_size)]
+        out = torch.cat([chunks[r][s] for s in range(stride) for r in range(tp_size)], dim=dim)
+    if full_rows is not None and out.shape[0] > full_rows:
+        out = out[:full_rows]  # drop vocab padding
+    return out
+
+
+def _rank_step(overrides: list[str], weights: dict | None, batch: list[dict], steps: int,
+               want_logits: bool) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from training import dist as D
+    from training.build import build, unwrap
+    from training.compose import compose
+    from training.data import MicroBatches
+    from training.loop import global_loss, run_schedule, train_step
+    from training.validate import validate
+
+    cfg = compose(overrides)
+    derived = validate(cfg)
+    p = cfg.parallel
+    with D.distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, timeout_minutes=2) as info:
+        t = build(cfg, VOCAB, info.device)
+        tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), p.tp
+        if weights is not None:
+            with torch.no_grad():
+                for chunk in t.model:
+                    gpt = unwrap(chunk)
+                    for name, param in gpt.named_parameters():
+                        param.copy_(shard(weights[global_name(gpt, name)], param, tp_rank, tp_size))
+
+        def iterators():
+            streams = [MicroBatches(batch, 0, cfg.train.micro_batch_size, derived.dp,
+                                    ps.get_data_parallel_rank()) for _ in t.model]
+            return streams if len(streams) > 1 else streams[0]
+
+        losses = []
+        grads = {}
+        for step in range(steps):
+            if step < steps - 1:
+                loss, _, _ = train_step(t, iterators(), derived, cfg, info.device)
+                losses.append(loss)
+                continue
+            for chunk in t.model:  # the last step: keep the gradients, do not update
+                chunk.zero_grad_buffer()
+            losses.append(global_loss(run_schedule(t, iterators(), derived, cfg, forward_only=False),
+                                      info.device).item())
+            for chunk in t.model:
+                gpt = unwrap(chunk)
+                for name, param in gpt.named_parameters():
+                    tensor = getattr(param, "main_grad", None)
+                    parallel = getattr(param, "tensor_model_parallel", False)
+                    grads.setdefault(global_name(gpt, name), []).append(
+                        (tp_rank, tp_size, param.partition_dim if parallel else None,
+                         param.partition_stride if parallel else 1, tensor.detach().float().clone()))
+        out = {"losses": losses, "grads": grads, "params": {}}
+        for chunk in t.model:
+            gpt = unwrap(chunk)
+            for name, param in gpt.named_parameters():
+                parallel = getattr(param, "tensor_model_parallel", False)
+                out["params"].setdefault(global_name(gpt, name), []).append(
+                    (tp_rank, tp_size, param.partition_dim if parallel else None,
+                     param.partition_stride if parallel else 1, param.detach().float().clone()))
+        if want_logits and ps.get_pipeline_model_parallel_world_size() == 1:
+            gpt = unwrap(t.model[0])
+            gpt.eval()
+            with torch.no_grad():
+                tokens = torch.stack([s["tokens"] for s in batch])
+                logits = gpt(tokens)  # [b, s, V_padded/tp]
+            out["logits"] = (tp_rank, tp_size, 2, 1, logits.float())
+        return out
+
+
+def run_layout(overrides: list[str], world_size: int, weights: dict | None, batch: list[dict],
+               steps: int = 1, want_logits: bool = False, timeout: float = 240.0) -> dict:
+    """Loss per step, and the last step's full gradients, final full parameters (and logits)."""
+    results = run_distributed(_rank_step, world_size, (overrides, weights, batch, steps, want_logits),
+                              timeout=timeout)
+    grads: dict[str, list] = {}
+    params: dict[str, list] = {}
+    for r in results:
+        for name, parts in r["grads"].items():
+            grads.setdefault(name, []).extend(parts)
+        for name, parts in r["params"].items():
+            params.setdefault(name, []).extend(parts)
+    losses = [r["losses"] for r in results]
+    for other in losses[1:]:
+        assert other == losses[0], f"ranks disagree on the loss: {losses}"
+    rows = lambda name: VOCAB if "word_embeddings" in name or "output_layer" in name else None  # noqa: E731
+    out = {"losses": losses[0],
+           "grads": {n: assemble(parts, rows(n)) for n, parts in grads.items()},
+           "params": {n: assemble(parts, rows(n)) for n, parts in params.items()}}
+    logits = {r["logits"][0]: r["logits"][4] for r in results if "logits" in r}  # by TP rank
+    if logits:  # vocab-parallel shards side by side, padding dropped
+        out["logits"] = torch.cat([logits[r] for r in sorted(logits)], dim=-1)[..., :VOCAB]
+    return out
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b| (elementwise rtol is meaningless for values near zero)."""
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()

@@ -1,0 +1,105 @@
+"""The one bridge from our config schema to Megatron-Core's config objects.
+
+`parallel.dist_opt` feeds both DDP and the optimizer here, so they cannot disagree; every other
+Megatron-Core knob the template sets is in this file, with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from models import GPTOptions
+from models.mlp import swiglu
+from training import upstream_fixes
+from training.config import Config
+
+ACTIVATIONS = {"gelu": (F.gelu, False), "swiglu": (swiglu, True)}  # name -> (function, gated)
+RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
+
+
+def params_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+
+
+def ffn_hidden_size(cfg: Config) -> int:
+    return cfg.model.ffn_hidden_size or 4 * cfg.model.hidden_size
+
+
+def transformer_config(cfg: Config) -> TransformerConfig:
+    m, p = cfg.model, cfg.parallel
+    activation, gated = ACTIVATIONS[m.activation]
+    dtype = params_dtype(cfg)
+    recompute = RECOMPUTE[m.recompute]
+    return TransformerConfig(
+        # shape
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=ffn_hidden_size(cfg),
+        kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
+        add_bias_linear=m.add_bias_linear, gated_linear_unit=gated, activation_func=activation,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        # parallelism
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sp,
+        **upstream_fixes.pipeline_p2p_settings(p.pp, p.vpp),
+        # CPU: build each full weight once and slice it (TP init then equals one process's); on GPU,
+        # Megatron's per-rank init on the device is much faster for large models.
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # precision: bf16 params/activations; fp32 main params and grads live in the optimizer/DDP
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        # the loss is a token sum; finalize_model_grads divides grads by the global batch's token count
+        calculate_per_token_loss=True,
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+        # free pipeline outputs once sent (Megatron-LM's default): activation memory of PP stages
+        deallocate_pipeline_outputs=True,
+        # fused kernels need TE/apex or torch.compile (inductor: ~19 s first step on CPU): keep off
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+    )
+
+
+def gpt_options(cfg: Config, vocab_size: int) -> GPTOptions:
+    m = cfg.model
+    return GPTOptions(vocab_size=vocab_size, max_sequence_length=m.seq_length,
+                      position_embedding=m.position_embedding, rotary_base=m.rotary_base,
+                      tie_embeddings=m.tie_embeddings,
+                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+
+
+def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
+    p = cfg.parallel
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,  # reduce and accumulate gradients in fp32 also under bf16
+        overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.dist_opt, bucket_size=p.bucket_size,
+        average_in_collective=False,  # the per-token loss is normalised in finalize_model_grads
+    )
+
+
+def optimizer_config(cfg: Config) -> OptimizerConfig:
+    o = cfg.optim
+    dtype = params_dtype(cfg)
+    return OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=cfg.parallel.dist_opt,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+    )
+
+
+def scheduler_kwargs(cfg: Config) -> dict:
+    """Arguments of Megatron-Core's OptimizerParamScheduler, stepped once per iteration."""
+    o = cfg.optim
+    decay_end = o.decay_iters if o.decay_iters is not None else cfg.train.iters
+    return dict(
+        init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
+        lr_decay_steps=max(decay_end, o.warmup_iters + 1), lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_end, wd_incr_style="constant",
+    )

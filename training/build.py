@@ -1,0 +1,86 @@
+"""Build this rank's model chunks, wrap them in Megatron-Core DDP, and create the optimizer + scheduler.
+
+Follows Megatron-LM's `get_model` / `setup_model_and_optimizer`: one GPT chunk per virtual pipeline
+stage, Float16Module for bf16, DDP per chunk (bucketing only on the first chunk), then
+`get_megatron_optimizer` and `OptimizerParamScheduler`, and the config hooks the schedules call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from models import GPT, GPTOptions
+from training import bridge
+from training.config import Config
+
+
+@dataclass
+class Trainable:
+    model: list  # DDP-wrapped chunks, one per virtual pipeline stage
+    optimizer: object  # Megatron-Core MegatronOptimizer (or ChainedOptimizer)
+    scheduler: OptimizerParamScheduler
+    config: TransformerConfig
+
+
+def build_chunks(config: TransformerConfig, options: GPTOptions, vpp: int | None,
+                 device: torch.device) -> list[torch.nn.Module]:
+    """This rank's GPT chunk(s): pre_process / post_process from its (virtual) pipeline position."""
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = GPT(config, options,
+                    pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                    vp_stage=stage)
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        model.to(device)
+        if config.bf16:
+            model = Float16Module(config, model)
+        chunks.append(model)
+    return chunks
+
+
+def wrap_ddp(chunks: list, config: TransformerConfig, cfg: Config) -> list:
+    ddp_config = bridge.ddp_config(cfg)
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    # Megatron-LM: only the first chunk buckets (overlap with backward)
+                                    disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)]
+
+
+def build(cfg: Config, vocab_size: int, device: torch.device) -> Trainable:
+    config = bridge.transformer_config(cfg)
+    chunks = build_chunks(config, bridge.gpt_options(cfg, vocab_size), cfg.parallel.vpp, device)
+    model = wrap_ddp(chunks, config, cfg)
+    optimizer = get_megatron_optimizer(bridge.optimizer_config(cfg), model)
+    scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))
+
+    # Hooks Megatron-Core's schedules call (as Megatron-LM's training.py sets them).
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    if cfg.parallel.overlap_grad_reduce:
+        config.grad_sync_func = [m.start_grad_sync for m in model]
+        if len(model) == 1:
+            config.grad_sync_func = config.grad_sync_func[0]
+    if cfg.parallel.overlap_param_gather and cfg.parallel.dist_opt:
+        config.param_sync_func = [m.start_param_sync for m in model]
+        if len(model) == 1:
+            config.param_sync_func = config.param_sync_func[0]
+    return Trainable(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
+
+
+def unwrap(module: torch.nn.Module) -> GPT:
+    """DDP(Float16Module(GPT)) -> GPT."""
+    while not isinstance(module, GPT):
+        module = module.module
+    return module

@@ -1,0 +1,234 @@
+"""Checkpoints in Megatron-Core's dist_checkpointing format (torch_dist), resharding across layouts.
+
+    <checkpoint.dir>/iter_0000010/   model (+ optimizer, scheduler, RNG, iteration, consumed samples)
+                                     as sharded tensors; run.json (config, versions) written last
+    <checkpoint.dir>/latest          "iter_0000010": the newest complete checkpoint
+
+Every rank writes its own shards; rank 0 writes the metadata. `run.json` and then `latest` are written
+(atomically: temp file + rename) only after every rank finished, so a crash mid-save leaves the
+previous checkpoint as latest and the half-written directory is recognisably incomplete.
+The distributed optimizer is saved `fully_reshardable`, so TP / PP / DP may change on load and Adam's
+moments follow the parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from training import upstream_fixes
+from training.build import unwrap as _unwrap
+from training.config import Config
+from training.dist import print0
+from training.errors import TemplateError
+
+LATEST = "latest"
+RUN_FILE = "run.json"
+# Model fields that must match for weights to load (sizes and architecture, not training knobs).
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "kv_channels", "position_embedding", "normalization", "activation", "add_bias_linear",
+                "tie_embeddings", "vocab_size")
+
+
+class CheckpointError(TemplateError):
+    pass
+
+
+def iter_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def due(cfg: Config, iteration: int, final: bool) -> bool:
+    interval = cfg.train.save_interval
+    return cfg.checkpoint.dir is not None and (final or (interval > 0 and iteration % interval == 0))
+
+
+def is_complete(path: Path) -> bool:
+    return (path / RUN_FILE).is_file() and (path / "metadata.json").is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete iter_* directories, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("iter_*") if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {"torch": torch.__version__, "megatron-core": version("megatron-core"), "template_commit": commit}
+
+
+def _layout() -> dict:
+    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size()}
+
+
+def _rng_state() -> dict:
+    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def sharded_metadata(cfg: Config) -> dict:
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if cfg.parallel.dist_opt:
+        meta["distrib_optim_sharding_type"] = "fully_reshardable"
+        meta["distrib_optim_fully_reshardable_mem_efficient"] = True  # the other path calls .cuda()
+    return meta
+
+
+def model_keys(t) -> list[str]:
+    return ["model"] if len(t.model) == 1 else [f"model{i}" for i in range(len(t.model))]
+
+
+def state_dict(cfg: Config, t, is_loading: bool, with_rng: bool = True) -> dict:
+    meta = sharded_metadata(cfg)
+    # DDP(chunk).module is the GPT (or its Float16Module), which knows its sharded state dict
+    state = {key: chunk.module.sharded_state_dict(metadata=meta) for key, chunk in zip(model_keys(t), t.model)}
+    state["optimizer"] = t.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=meta)
+    state["scheduler"] = t.scheduler.state_dict()
+    state["iteration"], state["consumed_samples"] = 0, 0
+    if with_rng:
+        pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+        state["rng_state"] = ShardedObject(
+            "rng_state", _rng_state(),
+            (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size()),
+            (pp, tp), replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+    return state
+
+
+def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | Path | None = None) -> Path:
+    root = Path(cfg.checkpoint.dir)
+    path = iter_dir(root, iteration)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        if path.exists():  # an earlier, interrupted save of this iteration (never the latest)
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    dist.barrier()
+    state = state_dict(cfg, t, is_loading=False)
+    state["iteration"], state["consumed_samples"] = iteration, consumed_samples
+    dist_checkpointing.save(state, str(path), verify_integrity=True)
+    dist.barrier()  # every rank's shards are on disk
+    if rank0:
+        from omegaconf import OmegaConf
+
+        run = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(),
+               "vocab_size": _unwrap(t.model[0]).vocab_size,
+               "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "versions": _versions(),
+               "run_dir": str(run_dir) if run_dir else None}
+        _atomic_write(path / RUN_FILE, json.dumps(run, indent=1) + "\n")
+        _atomic_write(root / LATEST, path.name + "\n")
+        _prune(root, cfg.checkpoint.keep)
+    dist.barrier()
+    print0(f"saved checkpoint {path} (iteration {iteration}, {consumed_samples} samples consumed)")
+    return path
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    for old in complete_checkpoints(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_load_path(cfg: Config) -> Path | None:
+    """checkpoint.load -> the iter_* directory to load, or None to start fresh."""
+    spec = cfg.checkpoint.load
+    if spec is None:
+        return None
+    if spec == "auto":
+        if cfg.checkpoint.dir is None:
+            return None
+        root = Path(cfg.checkpoint.dir)
+        candidates = complete_checkpoints(root)
+        latest = root / LATEST
+        if latest.is_file():
+            named = root / latest.read_text().strip()
+            if not is_complete(named):
+                print0(f"warning: {latest} names {named}, which is incomplete; using the newest complete one")
+            elif named in candidates:
+                candidates.remove(named)
+                candidates.insert(0, named)
+        return candidates[0] if candidates else None
+    path = Path(spec)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete or not a checkpoint (no {RUN_FILE} / "
+                              f"metadata.json: an interrupted save?); point checkpoint.load at a complete one")
+    return path
+
+
+def check_compatible(cfg: Config, run: dict, vocab_size: int) -> None:
+    """Refuse, naming every differing field, a checkpoint whose model shape differs from the config's."""
+    saved = dict(run["config"]["model"], vocab_size=run["vocab_size"])
+    current = dict(vars(cfg.model), vocab_size=vocab_size)
+    differ = [f"{k}: checkpoint {saved.get(k)} vs config {current.get(k)}"
+              for k in SHAPE_FIELDS if saved.get(k) != current.get(k)]
+    if differ:
+        raise CheckpointError("the model in the config does not match the checkpoint's: " + "; ".join(differ))
+
+
+def maybe_load(cfg: Config, t) -> tuple[int, int]:
+    """Load per checkpoint.load; returns (iteration, consumed_samples), (0, 0) when starting fresh."""
+    path = resolve_load_path(cfg)
+    if path is None:
+        return 0, 0
+    run = json.loads((path / RUN_FILE).read_text())
+    check_compatible(cfg, run, _unwrap(t.model[0]).vocab_size)
+    same_layout = {k: run["layout"][k] for k in ("tp", "pp")} == {k: _layout()[k] for k in ("tp", "pp")}
+    template = state_dict(cfg, t, is_loading=True, with_rng=same_layout)
+    upstream_fixes.before_optimizer_load(t.optimizer)
+    try:
+        loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
+    except Exception as err:  # noqa: BLE001 - any failure here means the files are not usable
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}") from err
+    for key, chunk in zip(model_keys(t), t.model):
+        chunk.load_state_dict(loaded[key], strict=True)
+    t.optimizer.load_state_dict(loaded["optimizer"])
+    upstream_fixes.after_optimizer_load(t.optimizer)
+    t.scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
+    else:
+        print0(f"note: layout changed (saved tp/pp {run['layout']['tp']}/{run['layout']['pp']}); RNG "
+               f"streams restart from the seed, weights and optimizer state are resharded")
+    print0(f"loaded checkpoint {path} (iteration {loaded['iteration']})")
+    return int(loaded["iteration"]), int(loaded["consumed_samples"])

@@ -1,0 +1,130 @@
+"""The typed config schema. Hydra composes conf/*.yaml onto these dataclasses; every field has a default
+and a one-line reason. Cross-field rules live in training/validate.py and run before any process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # preset name, for logs and checkpoint metadata
+    num_layers: int = 4  # transformer layers in the whole model (split across pipeline stages)
+    hidden_size: int = 128  # model width h
+    num_attention_heads: int = 4  # query heads; must divide by tp
+    num_query_groups: Optional[int] = None  # K/V heads for GQA; null = one per query head (MHA)
+    ffn_hidden_size: Optional[int] = None  # MLP width; null = 4h (GELU) as in GPT-2
+    kv_channels: Optional[int] = None  # head dim; null = hidden_size / num_attention_heads
+    vocab_size: Optional[int] = None  # null = the tokenizer's (byte: 256 bytes + EOD = 257)
+    seq_length: int = 128  # training sequence length (tokens per sample)
+    position_embedding: str = "rope"  # rope | learned: RoPE is what modern decoders use
+    rotary_base: float = 10000.0  # RoPE theta (Llama 2: 1e4, Llama 3: 5e5)
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    norm_epsilon: float = 1e-5  # epsilon inside the norms
+    activation: str = "gelu"  # gelu | swiglu (swiglu doubles fc1: gate and up)
+    add_bias_linear: bool = True  # biases in the linear layers (GPT-2 yes, Llama no)
+    tie_embeddings: bool = True  # output layer reuses the embedding (also across pipeline stages)
+    hidden_dropout: float = 0.0  # dropout after attention/MLP and on embeddings; 0 for pretraining
+    attention_dropout: float = 0.0  # dropout on attention probabilities
+    init_method_std: float = 0.02  # normal init std (output projections scaled by 1/sqrt(2L), Megatron)
+    make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times tp (fast GEMMs)
+    recompute: str = "none"  # none | selective (core attention) | full (every layer): trade compute for memory
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel size: splits heads and MLP width; keep within one node (NVLink)
+    pp: int = 1  # pipeline parallel size: splits layers into stages
+    vpp: Optional[int] = None  # virtual stages per pipeline rank (interleaved 1F1B); null = plain 1F1B
+    sp: bool = False  # sequence parallel: shard norms/dropout activations along the sequence (needs tp>1)
+    dist_opt: bool = False  # distributed optimizer: shard fp32 main params + Adam state across DP ranks
+    overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward (bucketed)
+    overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather with forward
+    bucket_size: Optional[int] = None  # DDP bucket size in elements; null = Megatron-Core's default
+    timeout_minutes: float = 10.0  # collective timeout: a hang fails after this instead of 30 minutes
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3  # peak learning rate (after warmup)
+    min_lr: float = 1e-4  # learning rate at the end of decay
+    warmup_iters: int = 10  # linear warmup from 0 to lr
+    decay_style: str = "cosine"  # cosine | linear | constant
+    decay_iters: Optional[int] = None  # iteration where decay reaches min_lr; null = train.iters
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms and biases)
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.95  # Adam second-moment decay (0.95 is the LLM norm, more stable than 0.999)
+    adam_eps: float = 1e-8  # Adam epsilon
+    clip_grad: float = 1.0  # global gradient-norm clipping; 0 disables
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)  # indexed-dataset prefixes (.bin/.idx); [] = embedded text
+    weights: Optional[list[float]] = None  # blend weights, one per path; null = proportional to size
+    split: str = "95,5,0"  # train,valid,test shares of each dataset's documents (test is unused)
+    tokenizer: str = "byte"  # byte (built in, no download) or a path to a Hugging Face tokenizer.json
+    cache_dir: Optional[str] = None  # where index caches and the embedded corpus go; null = <repo>/.cache
+    mock: bool = False  # random tokens (Megatron-Core's MockGPTDataset): for benchmarks only
+    eod_mask_loss: bool = False  # exclude the end-of-document token from the loss
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 200  # optimizer steps in the run
+    micro_batch_size: int = 4  # sequences per micro-batch per data-parallel rank
+    global_batch_size: int = 16  # sequences per optimizer step, all DP ranks and micro-batches together
+    seed: int = 1234  # one seed for init, dropout and data order
+    precision: str = "fp32"  # fp32 | bf16 (bf16 params/activations, fp32 main params and grads)
+    log_interval: int = 10  # iterations between log lines
+    eval_interval: int = 100  # iterations between validation runs; 0 disables
+    eval_iters: int = 4  # validation global batches per evaluation
+    save_interval: int = 0  # iterations between checkpoints; 0 = only at the end (when checkpoint.dir)
+    exit_interval: int = 0  # stop (after saving) at an iteration multiple of this; 0 = never
+    exit_duration_minutes: float = 0.0  # stop (after saving) after this wall-clock time; 0 = never
+    nan_policy: str = "stop"  # stop | skip: what a NaN/Inf loss or grad norm does
+    profile: bool = False  # torch.profiler trace of iterations [profile_start, profile_end)
+    profile_start: int = 5  # first profiled iteration (after warm-up)
+    profile_end: int = 7  # first iteration after the profiled window
+    tensorboard: bool = True  # write TensorBoard scalars into <run dir>/tensorboard
+    max_memory_fraction: float = 1.0  # preflight: stop when the estimate exceeds this fraction of device memory
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # where iter_XXXXXXX/ checkpoints go; null = no checkpoints
+    load: Optional[str] = "auto"  # auto (resume from dir's latest if any) | null (fresh) | a path
+    keep: int = 3  # newest checkpoints kept; older ones are deleted after a successful save; 0 = all
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def register() -> None:
+    """Register the schema with Hydra's ConfigStore as `schema` (conf/config.yaml lists it first)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+def to_config(cfg: Any) -> Config:
+    """A composed OmegaConf (or a plain dict) -> the typed dataclass tree."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, Config):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(merged)
+
+
+__all__ = ["Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
+           "CheckpointConfig", "register", "to_config"]

@@ -1,0 +1,185 @@
+"""Data: Megatron-Core indexed datasets -> GPTDataset (blended, split) -> this DP rank's micro-batches.
+
+`consumed_samples` is the one source of truth for where training is: global batch k holds dataset
+samples [k*G, (k+1)*G) whatever the DP size, and DP rank r of D reads, for micro-batch j, the samples
+k*G + j*m*D + r*m ... + m (Megatron's pretraining sampler). A resumed run, at any DP size, therefore
+continues with exactly the next global batch. GPTDataset builds as many samples as the run needs,
+reshuffling documents for each new epoch from the seed.
+
+The embedded default corpus is the Python Language Reference text that ships with every CPython
+(`pydoc_data.topics`, PSF licence): real English prose, ~0.5 MB, no download. It is written into the
+indexed format the first time and cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from training.config import Config
+from training.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED_NAME = "python-reference"
+
+
+def cache_dir(cfg: Config) -> Path:
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else REPO_ROOT / ".cache"
+
+
+def write_indexed(prefix: str | Path, documents, tokenizer) -> int:
+    """Write token-id documents (EOD appended to each) as prefix.bin/.idx + prefix.json metadata.
+
+    Files are written under temporary names and renamed, so a crash never leaves a half dataset.
+    Returns the number of documents."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = prefix.with_name(f"{prefix.name}.tmp{os.getpid()}")
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
+    count = 0
+    for ids in documents:
+        if len(ids) == 0:
+            continue
+        builder.add_document(np.append(np.asarray(ids, dtype=np.int64), tokenizer.eod), [len(ids) + 1])
+        count += 1
+    builder.finalize(f"{tmp}.idx")
+    if count == 0:
+        for suffix in (".bin", ".idx"):
+            os.remove(f"{tmp}{suffix}")
+        raise ConfigError(f"no documents to write for {prefix} (the input is empty)")
+    meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+            "documents": count}
+    Path(f"{tmp}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    for suffix in (".bin", ".idx", ".json"):
+        os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    return count
+
+
+def embedded_documents():
+    """The Python Language Reference topics, one document each, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+def embedded_prefix(cfg: Config, tokenizer) -> Path:
+    tag = "byte" if tokenizer.name == "byte" else "hf-" + hashlib.sha1(tokenizer.name.encode()).hexdigest()[:10]
+    return cache_dir(cfg) / "embedded" / f"{EMBEDDED_NAME}-{tag}"
+
+
+def prepare_embedded(cfg: Config, tokenizer) -> Path:
+    prefix = embedded_prefix(cfg, tokenizer)
+    if not (Path(f"{prefix}.bin").exists() and Path(f"{prefix}.idx").exists()):
+        write_indexed(prefix, (tokenizer.encode(text) for text in embedded_documents()), tokenizer)
+    return prefix
+
+
+def check_prefix(prefix: str, tokenizer) -> None:
+    """A clear error for a missing / partial dataset or one written with another tokenizer."""
+    bin_file, idx_file, meta_file = (Path(f"{prefix}{s}") for s in (".bin", ".idx", ".json"))
+    if not bin_file.exists() and not idx_file.exists():
+        raise ConfigError(f"data.paths: no dataset at prefix {prefix} (expected {bin_file} and {idx_file}; "
+                          f"create them with tools/preprocess_data.py)")
+    for present, missing in ((bin_file, idx_file), (idx_file, bin_file)):
+        if present.exists() and not missing.exists():
+            raise ConfigError(f"data.paths: {present} exists but {missing} is missing (an interrupted "
+                              f"preprocessing run?): re-run tools/preprocess_data.py")
+    if bin_file.stat().st_size == 0:
+        raise ConfigError(f"data.paths: {bin_file} is empty")
+    if meta_file.exists():
+        meta = json.loads(meta_file.read_text())
+        if meta.get("tokenizer") != tokenizer.name or meta.get("vocab_size") != tokenizer.vocab_size:
+            raise ConfigError(
+                f"data.paths: {prefix} was written with tokenizer {meta.get('tokenizer')} (vocab "
+                f"{meta.get('vocab_size')}) but data.tokenizer is {tokenizer.name} (vocab "
+                f"{tokenizer.vocab_size})")
+
+
+def resolve_vocab_size(cfg: Config, tokenizer) -> int:
+    if cfg.model.vocab_size is None:
+        return tokenizer.vocab_size
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer.name}: {tokenizer.vocab_size}); set model.vocab_size=null")
+    return cfg.model.vocab_size
+
+
+def dataset_prefixes(cfg: Config, tokenizer) -> list[str]:
+    """data.paths, or the embedded corpus (prepared by rank 0 while the other ranks wait)."""
+    if cfg.data.paths:
+        for prefix in cfg.data.paths:
+            check_prefix(prefix, tokenizer)
+        return list(cfg.data.paths)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        prepare_embedded(cfg, tokenizer)
+    if dist.is_initialized():
+        dist.barrier()
+    return [str(embedded_prefix(cfg, tokenizer))]
+
+
+def build_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_data: bool):
+    """(train, valid) GPT datasets of at least the given sizes, via Megatron-Core's builder.
+
+    Every rank calls this (the builder synchronises: rank 0 writes the index caches first);
+    ranks with `needs_data=False` (middle pipeline stages) get None."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    d = cfg.data
+    blend = None
+    if not d.mock:
+        blend = (dataset_prefixes(cfg, tokenizer), list(d.weights) if d.weights else None)
+    config = GPTDatasetConfig(
+        random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, blend=blend, split=d.split,
+        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=d.eod_mask_loss, create_attention_mask=False,
+        path_to_cache=str(cache_dir(cfg) / "index"), mid_level_dataset_surplus=0.005,
+    )
+    if blend is not None:
+        check_splits(blend[0], config.split_matrix, d.split)
+    cls = MockGPTDataset if d.mock else GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        cls, [num_samples[0], num_samples[1], 0], lambda: needs_data, config).build()
+    return train, valid
+
+
+def check_splits(prefixes: list[str], split_matrix, split: str) -> None:
+    """Every non-empty split must get at least one document of every dataset (Megatron-Core 0.19.2
+    loops forever building a split with no documents)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in prefixes:
+        documents = len(IndexedDataset(prefix).document_indices) - 1
+        for name, bounds in zip(("train", "valid", "test"), split_matrix):
+            if bounds is None or bounds[0] == bounds[1]:
+                continue
+            count = int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
+            if count < 1:
+                raise ConfigError(f"data.split={split} leaves the {name} split of {prefix} ({documents} "
+                                  f"documents) empty: give it a larger share or 0 (e.g. 95,5,0)")
+
+
+class MicroBatches:
+    """This DP rank's micro-batches, starting at `consumed_samples`, endlessly (one per next())."""
+
+    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_size: int, dp_rank: int):
+        self.dataset, self.micro, self.dp, self.rank = dataset, micro_batch_size, dp_size, dp_rank
+        self.next_index = consumed_samples  # first sample of the next micro-batch group (micro * dp)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        start = self.next_index + self.rank * self.micro
+        self.next_index += self.micro * self.dp
+        samples = [self.dataset[i] for i in range(start, start + self.micro)]
+        return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask")}

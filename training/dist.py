@@ -1,0 +1,142 @@
+"""Distributed start and teardown: torchrun env -> process group -> Megatron-Core parallel state -> seeds.
+
+NCCL when CUDA is available (device bound to LOCAL_RANK), gloo otherwise (and then training.cpu_compat
+makes Megatron-Core run on the CPU). `distributed(...)` is a context manager that always tears down:
+on success every rank meets at a barrier first; on an error the failing rank leaves without a barrier,
+so the peers' next collective fails promptly instead of waiting for the collective timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from training import cpu_compat
+from training.errors import LaunchError
+from training.noise import quiet_known_noise
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tp: int
+    pp: int
+    dp: int
+
+
+def env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise LaunchError(f"environment variable {name} is not set: start with torchrun or launch/train.sh")
+        return default
+    return int(value)
+
+
+def select_device(local_rank: int) -> torch.device:
+    """The device this rank computes on; installs the CPU patches when there is no GPU."""
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise LaunchError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                f"start at most {torch.cuda.device_count()} processes per node (NPROC)"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    cpu_compat.apply()
+    return torch.device("cpu")
+
+
+def check_world_size(world_size: int, tp: int, pp: int) -> int:
+    """Data-parallel size, or a one-line error when tp * pp does not divide the world."""
+    if world_size % (tp * pp) != 0:
+        raise LaunchError(
+            f"world size {world_size} is not divisible by tp * pp = {tp} * {pp} = {tp * pp}: "
+            f"start a multiple of {tp * pp} processes or change parallel.tp / parallel.pp"
+        )
+    return world_size // (tp * pp)
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron-LM's scheme: one seed per pipeline stage, shared by its TP and DP ranks; TP-distinct
+    streams for dropout on sharded activations live in Megatron-Core's RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
+         timeout_minutes: float = 10.0) -> DistInfo:
+    """Start torch.distributed from torchrun's environment and Megatron-Core's model-parallel groups."""
+    quiet_known_noise()
+    rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
+    local_rank = env_int("LOCAL_RANK", rank)
+    dp = check_world_size(world_size, tp, pp)
+    device = select_device(local_rank)
+    from megatron.core import parallel_state
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=max(1, int(timeout_minutes)),
+    )
+    set_seeds(seed)
+    return DistInfo(rank, world_size, local_rank, device, tp, pp, dp)
+
+
+def teardown(clean: bool = True) -> None:
+    """Destroy Megatron-Core's groups and the default group; barrier first only on a clean exit."""
+    from megatron.core import parallel_state
+
+    if dist.is_initialized() and clean:
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(**kwargs):
+    """`with distributed(tp=2) as info:` ... always torn down, also when the body raises."""
+    clean = False
+    try:
+        yield init(**kwargs)
+        clean = True
+    finally:
+        teardown(clean=clean)
+
+
+def current_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """print on global rank 0 only (flushes, so interleaved torchrun output stays readable)."""
+    if is_rank0():
+        print(*args, **kwargs, flush=True)

@@ -1,0 +1,35 @@
+"""Quiet the warnings and log lines this template triggers on purpose and that ask nothing of the user
+(no TE/apex, Megatron-Core's deprecation notes for paths we do not use, INFO chatter while building
+dataset indices). Call before importing megatron.core; its warnings and errors still show."""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+QUIET_WARNINGS = (
+    "Transformer Engine and Apex are not installed",  # used when importable, never required
+    "Apex is not installed",
+    "When using sequence parallelism it is recommended to set the environment variable",  # launch/ sets it
+    "`torch.distributed.all_gather_into_tensor` is deprecated",  # called inside Megatron-Core
+    "`torch.distributed._all_gather_base` is a private function",
+    "`torch.distributed._reduce_scatter_base` is a private function",
+    "full scope is deprecated",  # TransformerConfig's cuda-graph default, we do not use CUDA graphs
+    "MimoModelConfig is experimental",
+    "No CUDA runtime is found",
+)
+QUIET_LOG_PREFIXES = ("MCore's async save is deprecated",)  # the synchronous save goes through it
+
+
+class _DropPrefixes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(QUIET_LOG_PREFIXES)
+
+
+def quiet_known_noise() -> None:
+    for prefix in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(prefix))
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_DropPrefixes())
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

@@ -1,0 +1,152 @@
+"""Cross-field checks on the composed config, run once before any process group exists.
+
+Every problem is one line that names the numbers involved and what to change. `validate` collects
+all problems and raises one ConfigError listing them (one per line); `derive` returns the sizes the
+rest of the run uses (DP size, micro-batches per step, tokens per step).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from training.config import Config
+from training.errors import ConfigError
+
+CHOICES = {
+    "model.position_embedding": ("rope", "learned"),
+    "model.normalization": ("LayerNorm", "RMSNorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "model.recompute": ("none", "selective", "full"),
+    "optim.decay_style": ("cosine", "linear", "constant"),
+    "train.precision": ("fp32", "bf16"),
+    "train.nan_policy": ("stop", "skip"),
+}
+
+
+@dataclass(frozen=True)
+class Derived:
+    world_size: int
+    dp: int
+    num_microbatches: int  # micro-batches per DP rank per optimizer step (gradient accumulation)
+    tokens_per_step: int
+    heads_per_group: int
+
+    def describe(self, cfg: Config) -> str:
+        t = cfg.train
+        return (f"world {self.world_size} = tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {self.dp}; "
+                f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {self.dp} x "
+                f"accumulation {self.num_microbatches}; {self.tokens_per_step} tokens/step")
+
+
+def _get(cfg: Config, dotted: str):
+    group, name = dotted.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def problems(cfg: Config, world_size: int) -> list[str]:
+    """All violated rules, one line each (empty when the config is valid)."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
+    out: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            out.append(message)
+
+    for key, allowed in CHOICES.items():
+        need(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
+    for key in ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length",
+                "parallel.tp", "parallel.pp", "train.iters", "train.micro_batch_size",
+                "train.global_batch_size", "train.log_interval"):
+        need(_get(cfg, key) >= 1, f"{key}={_get(cfg, key)} must be >= 1")
+    if out:  # the arithmetic below assumes positive sizes and known choices
+        return out
+
+    tp, pp = p.tp, p.pp
+    need(world_size % (tp * pp) == 0,
+         f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp}: "
+         f"start a multiple of {tp * pp} processes (NPROC) or change tp/pp")
+    need(m.num_attention_heads % tp == 0,
+         f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={tp}")
+    groups = m.num_query_groups or m.num_attention_heads
+    need(m.num_attention_heads % groups == 0,
+         f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+         f"model.num_query_groups={groups}")
+    need(groups % tp == 0, f"model.num_query_groups={groups} is not divisible by parallel.tp={tp}: "
+                           f"each TP rank needs whole K/V heads")
+    need(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
+         f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+         f"{m.num_attention_heads}: set model.kv_channels")
+    chunks = pp * (p.vpp or 1)
+    need(m.num_layers % chunks == 0,
+         f"model.num_layers={m.num_layers} is not divisible by parallel.pp * vpp = {pp} * {p.vpp or 1} = "
+         f"{chunks}: every (virtual) pipeline stage needs the same number of layers")
+    need(not p.sp or tp > 1, "parallel.sp=true needs parallel.tp > 1 (sequence parallel shards along TP)")
+    need(not p.sp or m.seq_length % tp == 0,
+         f"model.seq_length={m.seq_length} is not divisible by parallel.tp={tp} (needed by parallel.sp)")
+    need(p.vpp is None or p.vpp >= 2, f"parallel.vpp={p.vpp} must be null or >= 2")
+    need(p.vpp is None or pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1 (got pp={pp})")
+    need(not p.overlap_param_gather or p.dist_opt,
+         "parallel.overlap_param_gather=true needs parallel.dist_opt=true (it overlaps the "
+         "distributed optimizer's parameter all-gather)")
+    need(not p.overlap_param_gather or p.overlap_grad_reduce,
+         "parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce=true (Megatron-Core)")
+    need(p.timeout_minutes > 0, f"parallel.timeout_minutes={p.timeout_minutes} must be > 0")
+    need(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
+         f"dropout must be in [0, 1): model.hidden_dropout={m.hidden_dropout}, "
+         f"model.attention_dropout={m.attention_dropout}")
+    need(m.make_vocab_size_divisible_by >= 1,
+         f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
+
+    if world_size % (tp * pp) == 0:
+        dp = world_size // (tp * pp)
+        per_step = t.micro_batch_size * dp
+        need(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * dp "
+             f"= {t.micro_batch_size} * {dp} = {per_step}")
+        if t.global_batch_size % per_step == 0 and p.vpp is not None:
+            micro = t.global_batch_size // per_step
+            need(micro % pp == 0,
+                 f"interleaved pipeline (parallel.vpp={p.vpp}) needs micro-batches per step divisible by "
+                 f"parallel.pp: {t.global_batch_size} / ({t.micro_batch_size} * dp {dp}) = {micro} is not "
+                 f"a multiple of {pp}")
+
+    need(o.lr >= o.min_lr >= 0, f"optim.lr={o.lr} must be >= optim.min_lr={o.min_lr} >= 0")
+    need(0 <= o.warmup_iters, f"optim.warmup_iters={o.warmup_iters} must be >= 0")
+    decay = o.decay_iters if o.decay_iters is not None else t.iters
+    need(decay >= 1, f"optim.decay_iters={decay} must be >= 1")
+    need(o.clip_grad >= 0, f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
+    need(t.eval_interval >= 0 and t.save_interval >= 0 and t.exit_interval >= 0,
+         "train.eval_interval, train.save_interval and train.exit_interval must be >= 0")
+    need(t.eval_interval == 0 or t.eval_iters >= 1,
+         f"train.eval_iters={t.eval_iters} must be >= 1 when train.eval_interval > 0")
+    need(not t.profile or 0 <= t.profile_start < t.profile_end,
+         f"train.profile_start={t.profile_start} must be < train.profile_end={t.profile_end}")
+    need(0.0 < t.max_memory_fraction, f"train.max_memory_fraction={t.max_memory_fraction} must be > 0")
+    need(len(cfg.data.weights or []) in (0, len(cfg.data.paths)),
+         f"data.weights has {len(cfg.data.weights or [])} entries but data.paths has {len(cfg.data.paths)}")
+    need(not cfg.data.weights or all(w >= 0 for w in cfg.data.weights) and sum(cfg.data.weights) > 0,
+         f"data.weights={cfg.data.weights} must be >= 0 with a positive sum")
+    need(cfg.checkpoint.keep >= 0, f"checkpoint.keep={cfg.checkpoint.keep} must be >= 0")
+    load = cfg.checkpoint.load
+    need(load in (None, "auto") or os.path.exists(load),
+         f"checkpoint.load={load} does not exist (use auto, null, or an existing checkpoint path)")
+    return out
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Derived:
+    """Raise ConfigError listing every problem; else return the derived sizes."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    found = problems(cfg, world_size)
+    if found:
+        raise ConfigError("\n".join(found))
+    p, t = cfg.parallel, cfg.train
+    dp = world_size // (p.tp * p.pp)
+    groups = cfg.model.num_query_groups or cfg.model.num_attention_heads
+    return Derived(
+        world_size=world_size, dp=dp,
+        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+        tokens_per_step=t.global_batch_size * cfg.model.seq_length,
+        heads_per_group=cfg.model.num_attention_heads // groups,
+    )
