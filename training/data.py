@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,31 +37,47 @@ def cache_dir(cfg: Config) -> Path:
 def write_indexed(prefix: str | Path, documents, tokenizer) -> int:
     """Write token-id documents (EOD appended to each) as prefix.bin/.idx + prefix.json metadata.
 
-    Files are written under temporary names and renamed, so a crash never leaves a half dataset.
-    Returns the number of documents."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
+    `documents` is any iterable of token-id sequences (lists or integer arrays), consumed once in order:
+    a list, a generator, or a worker pool's `imap` (tools/preprocess_data.py). Empty documents are
+    skipped. Files are written under temporary names and renamed only when complete, and the temporary
+    files are removed if anything fails (the iterable included), so a crash never leaves a half dataset
+    and never litters the output folder. Returns the number of documents."""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = prefix.with_name(f"{prefix.name}.tmp{os.getpid()}")
-    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
-    count = 0
-    for ids in documents:
-        if len(ids) == 0:
-            continue
-        builder.add_document(np.append(np.asarray(ids, dtype=np.int64), tokenizer.eod), [len(ids) + 1])
-        count += 1
-    builder.finalize(f"{tmp}.idx")
-    if count == 0:
-        for suffix in (".bin", ".idx"):
-            os.remove(f"{tmp}{suffix}")
-        raise ConfigError(f"no documents to write for {prefix} (the input is empty)")
-    meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
-            "documents": count}
-    Path(f"{tmp}.json").write_text(json.dumps(meta, indent=1) + "\n")
-    for suffix in (".bin", ".idx", ".json"):
-        os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    try:
+        count, tokens = _write_bin_idx(tmp, documents, tokenizer)
+        if count == 0:
+            raise ConfigError(f"no documents to write for {prefix} (the input is empty)")
+        meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+                "documents": count, "tokens": tokens}
+        Path(f"{tmp}.json").write_text(json.dumps(meta, indent=1) + "\n")
+        for suffix in (".bin", ".idx", ".json"):
+            os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    except BaseException:
+        for suffix in (".bin", ".idx", ".json"):
+            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+        raise
     return count
+
+
+def _write_bin_idx(tmp: Path, documents, tokenizer) -> tuple[int, int]:
+    """tmp.bin + tmp.idx, one sequence per document; returns (documents, tokens incl. EOD)."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
+    count = tokens = 0
+    try:
+        for ids in documents:
+            if len(ids) == 0:
+                continue
+            builder.add_document(np.append(np.asarray(ids, dtype=np.int64), tokenizer.eod), [len(ids) + 1])
+            count, tokens = count + 1, tokens + len(ids) + 1
+    except BaseException:
+        builder.data_file.close()
+        raise
+    builder.finalize(f"{tmp}.idx")
+    return count, tokens
 
 
 def embedded_documents():
@@ -71,8 +88,10 @@ def embedded_documents():
 
 
 def embedded_prefix(cfg: Config, tokenizer) -> Path:
+    """Keyed by tokenizer and Python version: each CPython release ships a slightly different text, and a
+    cache shared by two interpreters must not serve one the other's corpus."""
     tag = "byte" if tokenizer.name == "byte" else "hf-" + hashlib.sha1(tokenizer.name.encode()).hexdigest()[:10]
-    return cache_dir(cfg) / "embedded" / f"{EMBEDDED_NAME}-{tag}"
+    return cache_dir(cfg) / "embedded" / f"{EMBEDDED_NAME}-py{sys.version_info[0]}.{sys.version_info[1]}-{tag}"
 
 
 def prepare_embedded(cfg: Config, tokenizer) -> Path:
@@ -83,7 +102,10 @@ def prepare_embedded(cfg: Config, tokenizer) -> Path:
 
 
 def check_prefix(prefix: str, tokenizer) -> None:
-    """A clear error for a missing / partial dataset or one written with another tokenizer."""
+    """A clear error for a missing / partial / empty dataset or one written with another tokenizer.
+
+    The tokenizer check needs PREFIX.json (written by tools/preprocess_data.py); datasets made by other
+    tools have none and are trusted."""
     bin_file, idx_file, meta_file = (Path(f"{prefix}{s}") for s in (".bin", ".idx", ".json"))
     if not bin_file.exists() and not idx_file.exists():
         raise ConfigError(f"data.paths: no dataset at prefix {prefix} (expected {bin_file} and {idx_file}; "
@@ -92,15 +114,21 @@ def check_prefix(prefix: str, tokenizer) -> None:
         if present.exists() and not missing.exists():
             raise ConfigError(f"data.paths: {present} exists but {missing} is missing (an interrupted "
                               f"preprocessing run?): re-run tools/preprocess_data.py")
-    if bin_file.stat().st_size == 0:
-        raise ConfigError(f"data.paths: {bin_file} is empty")
-    if meta_file.exists():
+    for file in (bin_file, idx_file):
+        if file.stat().st_size == 0:
+            raise ConfigError(f"data.paths: {file} is empty: re-run tools/preprocess_data.py")
+    if not meta_file.exists():
+        return
+    try:
         meta = json.loads(meta_file.read_text())
-        if meta.get("tokenizer") != tokenizer.name or meta.get("vocab_size") != tokenizer.vocab_size:
-            raise ConfigError(
-                f"data.paths: {prefix} was written with tokenizer {meta.get('tokenizer')} (vocab "
-                f"{meta.get('vocab_size')}) but data.tokenizer is {tokenizer.name} (vocab "
-                f"{tokenizer.vocab_size})")
+    except ValueError as err:
+        raise ConfigError(f"data.paths: {meta_file} is not valid JSON ({err})") from err
+    written = (meta.get("tokenizer"), meta.get("vocab_size"), meta.get("eod"))
+    if written != (tokenizer.name, tokenizer.vocab_size, tokenizer.eod):
+        raise ConfigError(
+            f"data.paths: {prefix} was written with tokenizer {written[0]} (vocab {written[1]}, eod "
+            f"{written[2]}) but data.tokenizer is {tokenizer.name} (vocab {tokenizer.vocab_size}, eod "
+            f"{tokenizer.eod}): re-run tools/preprocess_data.py with the same tokenizer")
 
 
 def resolve_vocab_size(cfg: Config, tokenizer) -> int:

@@ -7,7 +7,9 @@ so a dataset is never read with a tokenizer it was not written with.
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 from training.errors import ConfigError
 
@@ -31,27 +33,33 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local Hugging Face `tokenizer.json` (the `tokenizers` package; no network)."""
+    """A local Hugging Face `tokenizer.json` (the `tokenizers` package; no network).
+
+    Its `name` is a hash of the file's content, not its path: moving a checkout keeps preprocessed data
+    valid, and editing the file in place is caught instead of silently mis-reading old token ids."""
+
+    EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 
     def __init__(self, path: str):
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise ConfigError(f"tokenizer {path}: no such file (give `byte`, a local tokenizer.json or a "
+                              f"directory holding one)")
         try:
             from tokenizers import Tokenizer
         except ImportError as err:
-            raise ConfigError(f"data.tokenizer={path} needs the `tokenizers` package: "
-                              f"pip install -e '.[hf]'") from err
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise ConfigError(f"data.tokenizer={path}: no tokenizer.json there (use byte or a local file)")
-        self._tok = Tokenizer.from_file(file)
-        self.name = f"hf:{os.path.abspath(file)}"
+            raise ConfigError(f"tokenizer {file} needs the `tokenizers` package: pip install -e '.[hf]'") from err
+        try:
+            content = Path(file).read_bytes()
+            self._tok = Tokenizer.from_str(content.decode("utf-8"))
+        except Exception as err:  # noqa: BLE001 - OSError, UnicodeError or the Rust parser's Exception
+            reason = (str(err) or type(err).__name__).splitlines()[0]
+            raise ConfigError(f"tokenizer {file} is not a readable tokenizer.json: {reason}") from err
+        self.name = f"hf:sha256-{hashlib.sha256(content).hexdigest()[:16]}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eod = None
-        for candidate in ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>"):
-            eod = self._tok.token_to_id(candidate)
-            if eod is not None:
-                break
+        eod = next((i for i in map(self._tok.token_to_id, self.EOD_CANDIDATES) if i is not None), None)
         if eod is None:
-            raise ConfigError(f"{file}: no end-of-document token (looked for </s>, <|endoftext|>, ...)")
+            raise ConfigError(f"{file}: no end-of-document token (looked for {', '.join(self.EOD_CANDIDATES)})")
         self.eod = eod
 
     @property
