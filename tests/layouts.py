@@ -17,7 +17,7 @@ from harness import run_distributed
 VOCAB = 101  # deliberately not a multiple of 2: padding must not change anything
 
 
-def test_overrides(*extra: str) -> list[str]:
+def model_overrides(*extra: str) -> list[str]:
     """The small model every equivalence case starts from (GQA, SwiGLU, RMSNorm, RoPE, tied)."""
     base = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
             "model.num_query_groups=2", "model.ffn_hidden_size=96", "model.seq_length=16",
@@ -107,6 +107,10 @@ def _rank_step(overrides: list[str], weights: dict | None, batch: list[dict], st
                     gpt = unwrap(chunk)
                     for name, param in gpt.named_parameters():
                         param.copy_(shard(weights[global_name(gpt, name)], param, tp_rank, tp_size))
+            t.optimizer.reload_model_params()  # fp32 main params (bf16, dist optimizer) follow the load
+        # Init drew a layout-dependent amount of random numbers (padded vocab): restart the streams so
+        # dropout masks do not depend on it.
+        D.set_seeds(cfg.train.seed)
 
         def iterators():
             streams = [MicroBatches(batch, 0, cfg.train.micro_batch_size, derived.dp,
@@ -124,7 +128,8 @@ def _rank_step(overrides: list[str], weights: dict | None, batch: list[dict], st
                 chunk.zero_grad_buffer()
             losses.append(global_loss(run_schedule(t, iterators(), derived, cfg, forward_only=False),
                                       info.device).item())
-            for chunk in t.model:
+            # The distributed optimizer reduce-scatters: each DP rank holds only its shard of the grads.
+            for chunk in (t.model if not cfg.parallel.dist_opt else []):
                 gpt = unwrap(chunk)
                 for name, param in gpt.named_parameters():
                     tensor = getattr(param, "main_grad", None)

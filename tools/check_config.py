@@ -33,8 +33,10 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         from training.compose import compose
+        from training.cpu_compat import check_mcore_version
         from training.validate import validate
 
+        check_mcore_version()
         cfg = compose(overrides)
         derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except TemplateError as err:

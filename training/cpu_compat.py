@@ -45,12 +45,14 @@ import types
 
 import torch
 
+from training.errors import LaunchError
+
 SUPPORTED_MCORE_VERSION = "0.19.2"
 _CPU = torch.device("cpu")
 _applied = False
 
 
-class McoreVersionError(RuntimeError):
+class McoreVersionError(LaunchError):
     """The installed megatron-core is not the release these patches were written and tested against."""
 
 

@@ -1,0 +1,103 @@
+"""Config composition and validation: every preset and experiment composes, and each invalid
+combination gives its own one-line error before any process group exists."""
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from training.compose import CONF_DIR, compose
+from training.errors import ConfigError
+from training.validate import validate
+
+INVALID = {
+    # overrides, world size, a fragment the one-line error must contain
+    "world-not-divisible": (["parallel.tp=2"], 3, "world size 3 is not divisible by parallel.tp * parallel.pp = 2 * 1 = 2"),
+    "heads-vs-tp": (["parallel.tp=8"], 8, "model.num_attention_heads=4 is not divisible by parallel.tp=8"),
+    "groups-vs-tp": (["parallel.tp=4"], 4, "model.num_query_groups=2 is not divisible by parallel.tp=4"),
+    "heads-vs-groups": (["model.num_query_groups=3"], 1, "model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
+    "layers-vs-pp": (["parallel.pp=3"], 3, "model.num_layers=4 is not divisible by parallel.pp * vpp = 3 * 1 = 3"),
+    "layers-vs-vpp": (["parallel.pp=2", "parallel.vpp=4"], 2, "model.num_layers=4 is not divisible by parallel.pp * vpp = 2 * 4 = 8"),
+    "batch-vs-micro-dp": (["train.global_batch_size=12", "train.micro_batch_size=4"], 2, "train.global_batch_size=12 is not divisible by train.micro_batch_size * dp = 4 * 2 = 8"),
+    "sp-needs-tp": (["parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
+    "vpp-needs-pp": (["parallel.vpp=2"], 1, "parallel.vpp=2 needs parallel.pp > 1 (got pp=1)"),
+    "seq-vs-tp-under-sp": (["parallel.tp=2", "parallel.sp=true", "model.seq_length=127"], 2, "model.seq_length=127 is not divisible by parallel.tp=2"),
+    "interleaved-microbatches": (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=4", "train.micro_batch_size=4"], 2, "needs micro-batches per step divisible by parallel.pp"),
+    "hidden-vs-heads": (["model.hidden_size=130"], 1, "model.hidden_size=130 is not divisible by model.num_attention_heads=4: set model.kv_channels"),
+    "param-gather-needs-distopt": (["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"], 1, "parallel.overlap_param_gather=true needs parallel.dist_opt=true"),
+    "precision-choice": (["train.precision=fp16"], 1, "train.precision='fp16' is not one of fp32, bf16"),
+    "recompute-choice": (["model.recompute=some"], 1, "model.recompute='some' is not one of none, selective, full"),
+    "activation-choice": (["model.activation=relu"], 1, "model.activation='relu' is not one of gelu, swiglu"),
+    "lr-below-min": (["optim.lr=1e-5", "optim.min_lr=1e-4"], 1, "optim.lr=1e-05 must be >= optim.min_lr=0.0001"),
+    "dropout-range": (["model.hidden_dropout=1.5"], 1, "dropout must be in [0, 1)"),
+    "blend-weights-count": (["data.paths=[a,b]", "data.weights=[1.0]"], 1, "data.weights has 1 entries but data.paths has 2"),
+    "missing-checkpoint": (["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load=/nonexistent/ckpt does not exist"),
+    "zero-micro-batch": (["train.micro_batch_size=0"], 1, "train.micro_batch_size=0 must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_config_is_a_one_line_error_before_any_process_group(case):
+    overrides, world, fragment = INVALID[case]
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world)
+    lines = str(err.value).splitlines()
+    assert any(fragment in line for line in lines), lines
+    assert len([line for line in lines if fragment in line]) == 1
+    assert not dist.is_initialized()
+
+
+def test_several_problems_are_all_reported_one_per_line():
+    cfg = compose(["parallel.sp=true", "parallel.vpp=2"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert len(str(err.value).splitlines()) == 2
+
+
+def test_derived_sizes():
+    cfg = compose(["parallel.tp=2", "train.global_batch_size=32", "train.micro_batch_size=2"])
+    derived = validate(cfg, 8)
+    assert (derived.dp, derived.num_microbatches, derived.tokens_per_step) == (4, 4, 32 * 128)
+    assert "global batch 32 = micro 2 x dp 4 x accumulation 4" in derived.describe(cfg)
+
+
+@pytest.mark.parametrize("group,name", [(p.parent.name, p.stem) for p in sorted(CONF_DIR.glob("*/*.yaml"))])
+def test_every_config_file_composes(group, name):
+    cfg = compose([f"{group}={name}"])
+    assert cfg.model.num_layers >= 1
+
+
+def test_presets_have_the_published_shapes():
+    llama2 = compose(["model=llama2_7b"]).model
+    assert (llama2.num_layers, llama2.hidden_size, llama2.num_attention_heads, llama2.ffn_hidden_size,
+            llama2.vocab_size, llama2.activation, llama2.normalization, llama2.tie_embeddings) == \
+        (32, 4096, 32, 11008, 32000, "swiglu", "RMSNorm", False)
+    llama3 = compose(["model=llama3_8b"]).model
+    assert (llama3.num_query_groups, llama3.vocab_size, llama3.rotary_base) == (8, 128256, 500000.0)
+
+
+def test_check_config_cli_prints_one_line_per_problem(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, WORLD_SIZE="3")
+    proc = subprocess.run([sys.executable, str(root / "tools/check_config.py"), "parallel.tp=2"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: world size 3 is not divisible by parallel.tp * parallel.pp = 2 * 1 = 2: start a multiple "
+        "of 2 processes (NPROC) or change tp/pp"]
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env["WORLD_SIZE"] = "2"
+        proc = subprocess.run([sys.executable, str(root / "tools/check_config.py"), "--port", str(port)],
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert f"MASTER_PORT={port} is not free" in proc.stderr

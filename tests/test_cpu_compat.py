@@ -1,0 +1,156 @@
+"""training/cpu_compat.py: each patch, and each Megatron-Core piece it makes run on gloo.
+
+Pieces covered here: version pinning, scoping of the patches, the RNG tracker
+(model_parallel_cuda_manual_seed, fork), tensor_parallel.checkpoint's RNG replay, DDP with and
+without overlapped grad reduction, get_megatron_optimizer with and without the distributed optimizer
+in fp32 and bf16. Sequence parallel's buffers and the pipeline schedules (1F1B, interleaved) are
+covered by tests/test_model_parallel_equivalence.py; dist_checkpointing by tests/test_checkpoint.py.
+"""
+
+import pytest
+import torch
+
+from harness import run_distributed
+from layouts import make_batch, max_rel_diff, model_overrides, run_layout
+
+
+def test_other_megatron_core_versions_are_refused_in_one_line():
+    from training.cpu_compat import McoreVersionError, check_mcore_version
+
+    check_mcore_version("0.19.2")
+    with pytest.raises(McoreVersionError) as err:
+        check_mcore_version("0.16.1")
+    message = str(err.value)
+    assert "\n" not in message and "0.16.1" in message and "megatron-core==0.19.2" in message
+
+
+def _patch_scope():
+    from training import cpu_compat
+
+    assert cpu_compat.apply() is True
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+    import megatron.core.utils as mcore_utils
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    here = torch.zeros(2)
+    result = {
+        "torch_cuda_current_device_is_untouched": torch.cuda.current_device is not mcore_utils.torch.cuda.current_device,
+        "mcore_sees_cpu": mcore_utils.torch.cuda.current_device() == torch.device("cpu"),
+        "mcore_factory_maps_cuda": mcore_utils.torch.zeros(1, device="cuda").device.type,
+        "type_outside_mcore": here.type(),
+        "set_rng_state_replaced": mcore_random._set_cuda_rng_state.__name__,
+    }
+    try:
+        here.cuda()
+        result["cuda_outside_mcore"] = "no error"
+    except (RuntimeError, AssertionError) as err:  # torch refuses: there is no GPU
+        result["cuda_outside_mcore"] = type(err).__name__
+    # What callers inside megatron.core.optimizer see (a function defined in that namespace).
+    namespace = {"__name__": mcore_optimizer.__name__}
+    exec("def probe(t):\n    return t.type()", namespace)
+    result["type_inside_mcore_optimizer"] = namespace["probe"](here)
+    return result
+
+
+def test_patches_are_scoped_to_megatron_core():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU patches are only applied without CUDA")
+    (result,) = run_distributed(_patch_scope, 1, timeout=120)
+    assert result["torch_cuda_current_device_is_untouched"]
+    assert result["mcore_sees_cpu"]
+    assert result["mcore_factory_maps_cuda"] == "cpu"
+    assert result["type_outside_mcore"] == "torch.FloatTensor"
+    assert result["type_inside_mcore_optimizer"] == "torch.cuda.FloatTensor"
+    assert result["cuda_outside_mcore"] != "no error"
+    assert result["set_rng_state_replaced"] == "_set_rng_state_on_cpu"
+
+
+def _rng_and_recompute():
+    from megatron.core import tensor_parallel
+
+    from training import dist as D
+
+    with D.distributed(tp=2, seed=7, timeout_minutes=2):
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        torch.manual_seed(123)
+        plain = torch.rand(4)
+        with tracker.fork():
+            forked = torch.rand(4)  # the TP-distinct stream
+        after_fork = torch.rand(4)  # the default stream continues as if fork never happened
+
+        # tensor_parallel.checkpoint replays dropout in backward: same grads as no recompute.
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        w = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+
+        def block(inp, weight):
+            with tracker.fork():
+                return torch.nn.functional.dropout(inp @ weight, p=0.5, training=True)
+
+        grads = []
+        for recompute in (False, True):
+            state = tracker.get_states()
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = tensor_parallel.checkpoint(block, False, xi, wi) if recompute else block(xi, wi)
+            out.sum().backward()
+            grads.append((out.detach(), xi.grad, wi.grad))
+            tracker.set_states(state)
+        return plain, forked, after_fork, grads
+
+
+def test_rng_tracker_streams_and_recompute_replay():
+    (p0, f0, a0, g0), (p1, f1, a1, g1) = run_distributed(_rng_and_recompute, 2, timeout=120)
+    assert torch.equal(p0, p1), "default stream must be identical on TP ranks"
+    assert not torch.equal(f0, f1), "the tracker's model-parallel stream must differ across TP ranks"
+    torch.manual_seed(123)
+    reference = torch.rand(8)
+    assert torch.equal(p0, reference[:4])
+    assert torch.equal(a0, reference[4:]), "fork() must leave the default stream as if it never ran"
+    for rank_grads in (g0, g1):
+        (out, gx, gw), (out_r, gx_r, gw_r) = rank_grads
+        assert torch.equal(out, out_r) and torch.equal(gx, gx_r) and torch.equal(gw, gw_r)
+        assert (out == 0).any(), "dropout must actually drop something"
+
+
+# DDP / optimizer paths: two optimizer steps at DP=2 against the same two steps in one process.
+OPTIMIZER_CASES = {
+    "ddp": ([], 1e-5),
+    "ddp-overlap-grad-reduce": (["parallel.overlap_grad_reduce=true"], 1e-5),
+    "distopt": (["parallel.dist_opt=true"], 1e-5),
+    "distopt-overlap": (["parallel=distopt"], 1e-5),
+    # bf16 params (fp32 main params and grads): the DP reduction order may flip a bf16 rounding
+    # (2^-8 relative) in a few elements; 1e-2 is just over one bf16 ulp.
+    "bf16-distopt": (["train.precision=bf16", "parallel.dist_opt=true"], 1e-2),
+}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_batch(global_batch=4, seq=16)
+
+
+@pytest.fixture(scope="module")
+def step_references(batch):
+    cache = {}
+
+    def get(precision: str) -> dict:
+        if precision not in cache:
+            cache[precision] = run_layout(
+                model_overrides("model.num_layers=2", f"train.precision={precision}", "optim.clip_grad=1.0",
+                                "optim.warmup_iters=0"), 1, None, batch, steps=3)
+        return cache[precision]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(OPTIMIZER_CASES))
+def test_ddp_and_optimizer_match_one_process(case, batch, step_references):
+    extra, tol = OPTIMIZER_CASES[case]
+    precision = "bf16" if "train.precision=bf16" in extra else "fp32"
+    ref = step_references(precision)
+    # tp=1 at both sizes: the same seed gives the same initial weights, no weights need loading.
+    out = run_layout(model_overrides("model.num_layers=2", "optim.clip_grad=1.0", "optim.warmup_iters=0",
+                                     *extra), 2, None, batch, steps=3)
+    assert out["losses"] == pytest.approx(ref["losses"], rel=tol), (out["losses"], ref["losses"])
+    assert out["losses"][2] < out["losses"][0], "the optimizer must actually train"
+    for name, param in ref["params"].items():
+        assert max_rel_diff(out["params"][name], param) <= tol, name

@@ -1,0 +1,37 @@
+"""The path a user takes: launch/train.sh -> torchrun -> train.py -> a falling loss, metrics.jsonl,
+TensorBoard scalars, the resolved config and a checkpoint in the run dir."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = {"iteration", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gb"}
+
+
+def test_launch_train_sh_tp2_loss_falls_and_metrics_are_written(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, NPROC="2", RUN_DIR=str(run_dir))
+    proc = subprocess.run(
+        ["launch/train.sh", "parallel.tp=2", "train.iters=30", "train.log_interval=5", "train.eval_interval=15"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    evals = [r for r in lines if "val_loss" in r]
+    assert [r["iteration"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert [r["iteration"] for r in evals] == [15, 30]
+    for record in train:
+        assert REQUIRED <= set(record), set(record)
+        assert record["mfu"] is None  # no known peak on CPU
+        assert record["tokens_per_s"] > 0 and record["tflops_per_gpu"] > 0 and record["mem_gb"] > 0
+    assert train[-1]["loss"] < 0.9 * train[0]["loss"], [r["loss"] for r in train]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+
+    assert " iter     30/30 | loss " in proc.stdout  # the console line
+    assert "world 2 = tp 2 x pp 1 x dp 1" in proc.stdout
+    assert (run_dir / "config.yaml").is_file()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000030"

@@ -1,0 +1,91 @@
+"""The multi-process test harness and distributed init/teardown (training/dist.py)."""
+
+import time
+
+import pytest
+
+from harness import run_distributed
+
+
+def _fail_on_rank_one():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom from rank one")
+    return "ok"
+
+
+def test_harness_reports_the_failing_rank_with_its_traceback():
+    with pytest.raises(AssertionError) as err:
+        run_distributed(_fail_on_rank_one, 2, timeout=60)
+    text = str(err.value)
+    assert "--- rank 1 ---" in text and "ValueError: boom from rank one" in text and "Traceback" in text
+    assert "--- rank 0 ---" not in text
+
+
+def _hang_on_rank_zero():
+    import os
+
+    if os.environ["RANK"] == "0":
+        time.sleep(60)
+    return "done"
+
+
+def test_harness_reports_a_hang_as_a_timeout():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 8 s"):
+        run_distributed(_hang_on_rank_zero, 2, timeout=8)
+    assert time.monotonic() - start < 40
+
+
+def _peer_fails_inside_distributed():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from training import dist as D
+
+    start = time.monotonic()
+    try:
+        with D.distributed(tp=1, timeout_minutes=5):
+            if os.environ["RANK"] == "1":
+                raise RuntimeError("rank 1 fails before the collective")
+            dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that is gone
+    except RuntimeError as err:
+        return {"error": str(err).splitlines()[0], "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def test_a_failing_rank_does_not_leave_its_peers_hanging():
+    """Rank 1 raises inside `distributed()`: it tears down without a barrier, so rank 0's pending
+    collective fails quickly instead of waiting out the 5-minute collective timeout."""
+    results = run_distributed(_peer_fails_inside_distributed, 2, timeout=120)
+    assert results[1]["error"] == "rank 1 fails before the collective"
+    assert results[0]["error"] is not None, "rank 0's collective should fail once its peer is gone"
+    assert results[0]["seconds"] < 60
+
+
+def _layout_info():
+    from megatron.core import parallel_state as ps
+
+    from training import dist as D
+
+    with D.distributed(tp=2, pp=2, timeout_minutes=2) as info:
+        return (info.dp, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                ps.get_data_parallel_world_size())
+
+
+def test_init_builds_megatron_core_groups_from_torchrun_env():
+    results = run_distributed(_layout_info, 4, timeout=120)
+    assert [r[0] for r in results] == [1, 1, 1, 1]
+    assert sorted((r[1], r[2]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_world_size_not_divisible_is_one_line():
+    from training.dist import check_world_size
+    from training.errors import LaunchError
+
+    with pytest.raises(LaunchError) as err:
+        check_world_size(6, tp=4, pp=1)
+    assert "\n" not in str(err.value) and "world size 6" in str(err.value) and "4 * 1 = 4" in str(err.value)
