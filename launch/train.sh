@@ -12,16 +12,18 @@
 #   MASTER_PORT  rendezvous port (default: a free one)
 #   PYTHON       interpreter (default: .venv/bin/python if present, else python3)
 #   DRY_RUN=1    print the exact command instead of running it
+#   (NCCL and Megatron-Core environment: launch/common.sh, each setting with its reason)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=launch/common.sh
 source launch/common.sh
 
 NPROC="${NPROC:-$(default_nproc)}"
-RUN_DIR="${RUN_DIR:-outputs/$(date +%Y-%m-%d)/$(date +%H-%M-%S)}"
+RUN_DIR="${RUN_DIR:-outputs/$(date +%Y-%m-%d/%H-%M-%S)}"  # one clock read: no midnight split
 MASTER_PORT="${MASTER_PORT:-$(free_port)}"
 
-check_config "$NPROC" "$@"
+require_uint NPROC MASTER_PORT
+check_config "$NPROC" "$MASTER_PORT" "$@"
 cmd=("$PYTHON" -m torch.distributed.run --nnodes 1 --nproc-per-node "$NPROC"
      --master-addr 127.0.0.1 --master-port "$MASTER_PORT"
      train.py "hydra.run.dir=$RUN_DIR" "$@")

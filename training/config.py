@@ -89,7 +89,8 @@ class TrainConfig:
     profile_start: int = 5  # first profiled iteration (after warm-up)
     profile_end: int = 7  # first iteration after the profiled window
     tensorboard: bool = True  # write TensorBoard scalars into <run dir>/tensorboard
-    max_memory_fraction: float = 1.0  # preflight: stop when the estimate exceeds this fraction of device memory
+    max_memory_fraction: float = 0.9  # preflight: stop above this share of GPU memory (CUDA context, NCCL
+    # buffers and fragmentation take the rest)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from training.build import build, unwrap
 from training.config import Config
 from training.data import MicroBatches, build_datasets, resolve_vocab_size
 from training.errors import TemplateError
+from training.preflight import preflight
 from training.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
 from training.profiling import Profiler
 from training.stopping import Stopper
@@ -116,6 +117,7 @@ def run(cfg: Config, run_dir: str | Path) -> dict:
                        timeout_minutes=p.timeout_minutes) as info:
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         vocab_size = resolve_vocab_size(cfg, tokenizer)
+        preflight(cfg, derived, info.device, run_dir, vocab_size)  # memory estimate; stops if it cannot fit
         t = build(cfg, vocab_size, info.device)
         iteration, consumed = checkpoint.maybe_load(cfg, t)
         needs_data = any(unwrap(m).pre_process or unwrap(m).post_process for m in t.model)

@@ -20,6 +20,10 @@ QUIET_WARNINGS = (
     "No CUDA runtime is found",
 )
 QUIET_LOG_PREFIXES = ("MCore's async save is deprecated",)  # the synchronous save goes through it
+# dist_checkpointing compares every rank's common state with rank 0's at save. With the distributed
+# optimizer's fully_reshardable format, DP ranks > 0 keep an empty `param_state` in theirs: expected.
+EXPECTED_COMMON_STATE_DIFF = "Keys only on rank 0: [], Keys only on {rank}: [('optimizer', 'param_state')], " \
+                             "Mismatched keys: []"
 
 
 class _DropPrefixes(logging.Filter):
@@ -27,9 +31,17 @@ class _DropPrefixes(logging.Filter):
         return not record.getMessage().startswith(QUIET_LOG_PREFIXES)
 
 
+class _DropExpectedCommonStateDiff(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Rank ") and message.endswith(
+            EXPECTED_COMMON_STATE_DIFF.format(rank=message.split()[1])))
+
+
 def quiet_known_noise() -> None:
     for prefix in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(prefix))
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_DropPrefixes())
+    logging.getLogger("megatron.core.dist_checkpointing.validation").addFilter(_DropExpectedCommonStateDiff())
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

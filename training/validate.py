@@ -77,6 +77,8 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     need(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
          f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
          f"{m.num_attention_heads}: set model.kv_channels")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    need(ffn % tp == 0, f"model.ffn_hidden_size={ffn} is not divisible by parallel.tp={tp}")
     chunks = pp * (p.vpp or 1)
     need(m.num_layers % chunks == 0,
          f"model.num_layers={m.num_layers} is not divisible by parallel.pp * vpp = {pp} * {p.vpp or 1} = "
@@ -123,6 +125,8 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     need(not t.profile or 0 <= t.profile_start < t.profile_end,
          f"train.profile_start={t.profile_start} must be < train.profile_end={t.profile_end}")
     need(0.0 < t.max_memory_fraction, f"train.max_memory_fraction={t.max_memory_fraction} must be > 0")
+    need(cfg.checkpoint.dir is not None or not (t.save_interval or t.exit_interval or t.exit_duration_minutes),
+         "train.save_interval / exit_interval / exit_duration_minutes save checkpoints: set checkpoint.dir")
     need(len(cfg.data.weights or []) in (0, len(cfg.data.paths)),
          f"data.weights has {len(cfg.data.weights or [])} entries but data.paths has {len(cfg.data.paths)}")
     need(not cfg.data.weights or all(w >= 0 for w in cfg.data.weights) and sum(cfg.data.weights) > 0,

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Several nodes: one torchrun per node, joined by a c10d rendezvous at MASTER_ADDR:MASTER_PORT (node 0).
+# Run the same command on every node, each with its NODE_RANK. Extra arguments are Hydra overrides.
+#
+#   node 0:  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 RUN_ID=l7b-a launch/multinode.sh model=llama2_7b parallel.tp=8
+#   node 1:  NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 RUN_ID=l7b-a launch/multinode.sh model=llama2_7b parallel.tp=8
+#   DRY_RUN=1 NNODES=2 MASTER_ADDR=10.0.0.1 RUN_ID=x launch/multinode.sh parallel.tp=2   # print, run nothing
+#   (launch/slurm.sbatch sets all of this under SLURM)
+#
+# Knobs (environment):
+#   NNODES       nodes in the job (default: SLURM_NNODES, else 1)
+#   NODE_RANK    this node, 0..NNODES-1 (default: SLURM_NODEID, else 0); node 0 hosts the rendezvous.
+#                Global ranks follow the rendezvous' order, not NODE_RANK.
+#   MASTER_ADDR  node 0's address, reachable from every node (default: 127.0.0.1, i.e. one machine)
+#   MASTER_PORT  rendezvous port on node 0, the same on every node (default: 29500, torch's)
+#   NPROC        processes per node (default: number of GPUs, or 2 without GPUs)
+#   RUN_ID       the run's name: the same on every node and across restarts (default: SLURM_JOB_ID)
+#   RUN_DIR      run dir on storage every node sees (default: outputs/run-$RUN_ID): the config, metrics
+#                and checkpoints go there, and a relaunch with the same RUN_DIR resumes (checkpoint.load=auto).
+#                Never derived from a clock: each node's would differ.
+#   LOCAL_ADDR   this node's address as the others reach it (default: its FQDN, torch's choice)
+#   PYTHON, DRY_RUN=1   as in launch/train.sh; NCCL/Megatron-Core environment in launch/common.sh
+# Nodes with several networks: set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the one they share.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=launch/common.sh
+source launch/common.sh
+
+NNODES="${NNODES:-${SLURM_NNODES:-1}}"
+NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+NPROC="${NPROC:-$(default_nproc)}"
+RUN_ID="${RUN_ID:-${SLURM_JOB_ID:-}}"
+if [ -z "$RUN_ID" ]; then
+  [ -n "${RUN_DIR:-}" ] || die "set RUN_ID=<name> or RUN_DIR=<shared dir>, the same on every node" \
+                               "(no SLURM_JOB_ID to name the run)"
+  RUN_ID="$(basename "$RUN_DIR")"
+fi
+RUN_DIR="${RUN_DIR:-outputs/run-$RUN_ID}"
+require_uint NNODES NODE_RANK MASTER_PORT NPROC
+[ "$NODE_RANK" -lt "$NNODES" ] || die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
+
+is_host=0
+[ "$NODE_RANK" = 0 ] && is_host=1
+# Only node 0 binds MASTER_PORT, so only there must it be free.
+check_config "$((NNODES * NPROC))" "$([ "$is_host" = 1 ] && echo "$MASTER_PORT")" "$@"
+cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC"
+     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_ID"
+     --rdzv-conf "is_host=$is_host" ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"}
+     train.py "hydra.run.dir=$RUN_DIR" "$@")
+run_or_print "${cmd[@]}"

@@ -1,0 +1,176 @@
+"""The planner's arithmetic against numbers worked out by hand, its command line, and the estimate of
+weights + grads + optimizer state against the bytes the real tiny model holds after one step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_distributed
+from training.compose import compose
+from training.memory import Layout, estimate, layer_activations, stage_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_plan_module():
+    spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools/plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpt2_124m_matches_korthikanti_by_hand():
+    """GPT-2 small with dropout and materialised attention scores: exactly the paper's setting."""
+    cfg = compose(["model=gpt2_124m", "train.precision=bf16", "train.micro_batch_size=4",
+                   "model.hidden_dropout=0.1", "model.attention_dropout=0.1"])
+    # Per layer: qkv 768*2304 + 2304 = 1,771,776; proj 768*768 + 768 = 590,592;
+    # fc1 768*3072 + 3072 = 2,362,368; fc2 3072*768 + 768 = 2,360,064; 2 LayerNorms 2*(768+768) = 3,072
+    layer = 1_771_776 + 590_592 + 2_362_368 + 2_360_064 + 3_072  # = 7,087,872
+    # 12 layers + embedding 50304 (50257 padded to 128) * 768 + positions 1024*768 + final LayerNorm 1536;
+    # the output layer is tied: no extra weight on a single stage
+    params = 12 * layer + 50_304 * 768 + 1_024 * 768 + 1_536
+    assert params == 124_475_904
+    dp4 = Layout(tp=1, pp=1, vpp=None, dp=4, sp=False, dist_opt=False, recompute="none")
+    est = estimate(cfg, dp4, vocab_size=50_257, num_microbatches=1, flash_attention=False)
+    assert est.params_total == est.params_per_gpu == params
+    assert est.weights_and_optimizer == 18 * params == 2_240_566_272  # 2 + 4 + 4 + 4 + 4 bytes
+    with_dist_opt = estimate(cfg, Layout(1, 1, None, 4, False, True, "none"), 50_257, 1, flash_attention=False)
+    assert with_dist_opt.weights_and_optimizer == (6 + 12 / 4) * params == 1_120_283_136
+
+    # Korthikanti Table 2, s=1024 b=4 h=768 a=12: sbh(34 + 5as/h) = 3,145,728 * (34 + 80) per layer
+    sbh = 1_024 * 4 * 768
+    assert layer_activations(cfg, dp4, flash_attention=False) == sbh * (34 + 5 * 12 * 1_024 / 768) == 358_612_992
+    tp2 = Layout(2, 1, None, 2, False, False, "none")  # TP without SP: sbh(10 + 24/t + 5as/(ht))
+    assert layer_activations(cfg, tp2, False) == sbh * (10 + 24 / 2 + 5 * 12 * 1_024 / (768 * 2))
+    tp2_sp_selective = Layout(2, 1, None, 2, True, False, "selective")  # sbh * 34 / t
+    assert layer_activations(cfg, tp2_sp_selective, False) == sbh * 34 / 2
+    assert layer_activations(cfg, Layout(1, 1, None, 4, False, False, "full"), False) == 2 * sbh  # input only
+    # the step's peak: 12 layers, + the final norm and output-layer inputs (2 * 2sbh), + the bf16 logits
+    # and the fp32 softmax of cross-entropy ((2 + 4) * s * b * V)
+    assert est.activations == 12 * 358_612_992 + 4 * sbh + 6 * 1_024 * 4 * 50_304 == 5_552_209_920
+
+
+def test_llama2_7b_tp2_pp2_by_hand():
+    """Llama 2 7B (SwiGLU, RMSNorm, RoPE, no biases, untied) at tp=2 pp=2 dp=2 with SP and dist_opt."""
+    cfg = compose(["model=llama2_7b", "train.precision=bf16", "train.micro_batch_size=1",
+                   "train.global_batch_size=8"])
+    # per layer: qkv 4096*3*4096 = 50,331,648; proj 16,777,216; fc1 4096*2*11008 = 90,177,536 (gate|up);
+    # fc2 11008*4096 = 45,088,768; 2 RMSNorms 8,192
+    split = 50_331_648 + 16_777_216 + 90_177_536 + 45_088_768
+    assert 32 * (split + 8_192) + 2 * 32_000 * 4_096 + 4_096 == 6_738_415_616  # Llama 2 7B's published count
+    per_rank_layer = split // 2 + 8_192  # TP halves the linear weights; norms are replicated
+    first = 16 * per_rank_layer + 32_000 * 4_096 // 2  # 16 layers + half the embedding
+    assert stage_params(cfg.model, 32_000, tp=2, pp=2, stage=0) == first == 1_684_668_416
+    # last stage: the same layers, the final norm (4,096) and an output layer the size of the embedding
+    assert stage_params(cfg.model, 32_000, tp=2, pp=2, stage=1) == first + 4_096
+    lay = Layout(tp=2, pp=2, vpp=None, dp=2, sp=True, dist_opt=True, recompute="none")
+    est = estimate(cfg, lay, vocab_size=32_000, num_microbatches=4)  # m = 8 / (1 * 2)
+    assert est.stage == 0
+    assert est.weights_and_optimizer == (6 + 12 / 2) * first == 20_216_020_992
+    assert estimate(cfg, Layout(2, 2, None, 2, True, False, "none"), 32_000, 4).weights_and_optimizer == 18 * first
+
+    # one layer, s=4096 b=1 h=4096, bf16, tp=2 with SP, flash attention (no s x s scores), in bytes:
+    #   norm + linear inputs, sequence-sharded: 2 * 4 * sbh / 2          = 67,108,864
+    #   Q, K, V and attention output, TP-sharded: 2 * s*b*(2*4096 + 2*4096) / 2 = 67,108,864
+    #   RoPE's rotated Q and K:                   2 * s*b*(4096 + 4096) / 2     = 33,554,432
+    #   SwiGLU: fc1 out (2f), SiLU(gate), product: 2 * s*b*4*11008 / 2        = 180,355,072
+    per_layer = 67_108_864 + 67_108_864 + 33_554_432 + 180_355_072
+    assert layer_activations(cfg, lay, flash_attention=True) == per_layer == 348_127_232
+    # 1F1B: stage 0 holds pp = 2 micro-batches of its 16 layers
+    assert est.activations == 2 * 16 * per_layer == 11_140_071_424
+    assert est.mem_gb() == {"weights_and_optimizer": 20.216, "activations": 11.14, "total": 31.356}
+    # interleaved (vpp=2): (1 + (pp-1)/(pp*vpp)) = 1.25 times the 32 layer-micro-batches
+    vpp2 = estimate(cfg, Layout(2, 2, 2, 2, True, True, "none"), 32_000, 4)
+    assert vpp2.activations == 32 * 1.25 * per_layer
+
+
+def test_plan_cli_json_lists_layouts_and_recommends_one_that_fits():
+    cmd = [sys.executable, str(ROOT / "tools/plan.py"), "--json", "model=llama2_7b", "plan.gpus_per_node=8",
+           "plan.nodes=1", "plan.gpu_mem_gb=80"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert isinstance(rows, list) and rows
+    for row in rows:
+        assert {"tp", "pp", "vpp", "dp", "sp", "dist_opt", "recompute", "fits", "mem_gb"} <= row.keys()
+        assert row["tp"] * row["pp"] * row["dp"] == 8
+        mem = row["mem_gb"]
+        assert abs(mem["weights_and_optimizer"] + mem["activations"] - mem["total"]) < 2e-3
+    assert any(row["fits"] for row in rows)
+    assert rows[0]["fits"] and rows[0]["recommended"] and sum(row["recommended"] for row in rows) == 1
+    assert {row["recompute"] for row in rows} == {"none", "selective", "full"}
+
+
+def test_plan_settings_are_checked():
+    plan = load_plan_module()
+    settings, overrides, as_json = plan.parse_args(["plan.nodes=2", "model=tiny", "--json"])
+    assert settings["nodes"] == 2 and overrides == ["model=tiny"] and as_json
+    with pytest.raises(ValueError, match="unknown setting plan.gpus"):
+        plan.parse_args(["plan.gpus=8"])
+    with pytest.raises(ValueError, match="plan.gpu_mem_gb=big is not a number"):
+        plan.parse_args(["plan.gpu_mem_gb=big"])
+
+
+def _state_bytes(overrides: list[str], vocab_size: int) -> list[int]:
+    """Bytes of params, DDP grad buffers and optimizer state (main params, exp_avg, exp_avg_sq) after one
+    optimizer step, each storage counted once; first without, then with the distributed optimizer."""
+    from training import dist as D
+    from training.build import build
+    from training.data import MicroBatches
+    from training.loop import train_step
+    from training.validate import validate
+
+    out = []
+    with D.distributed(tp=1, pp=1, seed=1, timeout_minutes=2) as info:
+        for dist_opt in (False, True):
+            cfg = compose([*overrides, f"parallel.dist_opt={str(dist_opt).lower()}"])
+            derived = validate(cfg)
+            t = build(cfg, vocab_size, info.device)
+            text = torch.randint(0, vocab_size, (4, cfg.model.seq_length + 1),
+                                 generator=torch.Generator().manual_seed(0))
+            batch = [{"tokens": r[:-1], "labels": r[1:], "loss_mask": torch.ones(cfg.model.seq_length)} for r in text]
+            train_step(t, MicroBatches(batch, 0, cfg.train.micro_batch_size, 1, 0), derived, cfg, info.device)
+            tensors = [p for chunk in t.model for p in chunk.parameters()]
+            tensors += [b for chunk in t.model for buf in chunk.buffers for b in (buf.grad_data, buf.param_data)]
+            for opt in getattr(t.optimizer, "chained_optimizers", [t.optimizer]):
+                tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
+                tensors += [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+            storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors if x is not None}
+            out.append(sum(storages.values()))
+            del t
+    return out
+
+
+def test_measured_weights_grads_optimizer_match_the_estimate():
+    overrides = ["model=tiny", "train.precision=bf16", "train.micro_batch_size=2", "train.global_batch_size=4",
+                 "checkpoint=none", "train.tensorboard=false"]
+    vocab_size = 257  # the byte tokenizer's, what the tiny model trains with
+    measured = run_distributed(_state_bytes, 1, (overrides, vocab_size), timeout=240)[0]
+    for dist_opt, got in zip((False, True), measured):
+        lay = Layout(tp=1, pp=1, vpp=None, dp=1, sp=False, dist_opt=dist_opt, recompute="none")
+        expected = estimate(compose(overrides), lay, vocab_size, num_microbatches=2).weights_and_optimizer
+        assert abs(got - expected) / expected < 0.02, (dist_opt, got, expected)
+
+
+def test_preflight_reports_on_cpu_and_stops_what_cannot_fit(tmp_path, capsys):
+    from training.errors import ConfigError
+    from training.preflight import check, preflight
+    from training.validate import validate
+
+    cfg = compose(["model=tiny"])
+    est = preflight(cfg, validate(cfg, 1), torch.device("cpu"), tmp_path, vocab_size=257)
+    assert "CPU: reported, not enforced" in capsys.readouterr().out
+    report = json.loads((tmp_path / "environment.json").read_text())
+    assert report["packages"]["megatron-core"] == "0.19.2" and report["packages"]["torch"] == torch.__version__
+    assert report["memory_estimate"]["gb"] == est.mem_gb()
+    check(est, capacity_bytes=int(est.total) + 1, fraction=1.0, model="tiny")  # fits: no error
+    with pytest.raises(ConfigError, match=r"exceeds .* train.max_memory_fraction=0.5 .*tools/plan.py model=tiny"):
+        check(est, capacity_bytes=int(est.total) + 1, fraction=0.5, model="tiny")

@@ -1,0 +1,229 @@
+"""Layout planner: every valid (tp, pp, vpp, sp, dist_opt, recompute) for a model on nodes x GPUs, with
+the per-GPU memory estimate of training/memory.py, the pipeline bubble and the communication volume per
+step; ranked, and the best layout that fits is recommended with the overrides that select it.
+
+    python tools/plan.py model=llama2_7b plan.gpus_per_node=8 plan.nodes=1 plan.gpu_mem_gb=80
+    python tools/plan.py --json model=llama3_8b plan.nodes=4 train.global_batch_size=512
+    python tools/plan.py model=llama_1b plan.gpus_per_node=1 train.micro_batch_size=2 train.precision=bf16
+
+Other arguments are Hydra overrides of the training config (model.seq_length, train.micro_batch_size,
+train.global_batch_size, train.precision, ...): the planner composes what train.py would. Settings:
+    plan.gpus_per_node   8      an HGX/DGX node; TP stays inside a node (NVLink), so tp divides it
+    plan.nodes           1      nodes in the job
+    plan.gpu_mem_gb      80     H100/A100 80GB; fits = total <= this x train.max_memory_fraction (as preflight)
+    plan.flash_attention true   SDPA on GPU keeps no s x s scores; false = Korthikanti's materialised scores
+    plan.tflops          400    bf16 dense throughput an H100 sustains in large GEMMs (~40% of its 989 peak)
+    plan.link_gbps       200    NCCL all-reduce bus bandwidth inside an NVLink node (H100 measures 350-450)
+    plan.top             15     rows in the table (--json prints every layout)
+
+Ranking: layouts that fit first, then by score, the step time relative to an ideal step (lower is better):
+    score     = (1 + bubble) * (1 + recompute + tp_comm)
+    bubble    = (pp - 1) / (vpp * m): idle share of (interleaved) 1F1B, m = micro-batches per step
+    recompute = extra forward FLOPs / training FLOPs (full: the layers' forward; selective: core attention)
+    tp_comm   = TP traffic time / compute time per GPU (TP collectives sit on the critical path)
+DP traffic (overlapped with backward under parallel.overlap_grad_reduce) and PP's point-to-point traffic
+are reported, not scored. Ties go to the smaller memory total, so sp and dist_opt win when they are free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.noise import quiet_known_noise  # noqa: E402
+
+PLAN_DEFAULTS = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_gb": 80.0, "flash_attention": True,
+                 "tflops": 400.0, "link_gbps": 200.0, "top": 15}  # reasons in the docstring
+RECOMPUTE = ("none", "selective", "full")
+
+
+def parse_args(argv: list[str]) -> tuple[dict, list[str], bool]:
+    """(plan settings, Hydra overrides, --json) from the command line; ValueError names a bad setting."""
+    settings, overrides, as_json = dict(PLAN_DEFAULTS), [], False
+    for arg in argv:
+        if arg == "--json":
+            as_json = True
+        elif arg.startswith("plan."):
+            key, _, value = arg[len("plan."):].partition("=")
+            if key not in PLAN_DEFAULTS:
+                known = ", ".join(f"plan.{k}" for k in PLAN_DEFAULTS)
+                raise ValueError(f"unknown setting plan.{key}: use one of {known}")
+            kind = type(PLAN_DEFAULTS[key])
+            if kind is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(f"plan.{key}={value} must be true or false")
+                settings[key] = value.lower() == "true"
+            else:
+                try:
+                    settings[key] = kind(value)
+                except ValueError:
+                    raise ValueError(f"plan.{key}={value} is not {'an integer' if kind is int else 'a number'}") \
+                        from None
+                if settings[key] <= 0:
+                    raise ValueError(f"plan.{key}={value} must be > 0")
+        else:
+            overrides.append(arg)
+    return settings, overrides, as_json
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
+    """[(Layout, config with that layout)] for every layout training/validate.py accepts at this world,
+    and the problems of the first rejected one (all of them rejected = a problem no layout can fix)."""
+    from training.memory import Layout
+    from training.validate import problems
+
+    m, p = cfg.model, cfg.parallel
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    found_first: list[str] = []
+    valid = []
+    for tp in divisors(gpus_per_node):
+        if world % tp or ffn % tp:  # validate.py does not check ffn; ColumnParallelLinear would fail
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            per_stage = m.num_layers // pp if m.num_layers % pp == 0 else 0
+            for vpp in [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []):
+                for sp in ([False, True] if tp > 1 else [False]):
+                    for dist_opt in ([False, True] if dp > 1 else [False]):  # dp=1: nothing to shard
+                        for recompute in RECOMPUTE:
+                            parallel = dataclasses.replace(
+                                p, tp=tp, pp=pp, vpp=vpp, sp=sp, dist_opt=dist_opt,
+                                overlap_param_gather=p.overlap_param_gather and dist_opt)
+                            option = dataclasses.replace(cfg, parallel=parallel,
+                                                         model=dataclasses.replace(m, recompute=recompute))
+                            found = problems(option, world)
+                            if found:
+                                found_first = found_first or found
+                            else:
+                                valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, recompute), option))
+    return valid, found_first
+
+
+def assess(option, lay, vocab_size: int, settings: dict) -> dict:
+    """Memory, bubble, traffic and score of one layout."""
+    from models import padded_vocab_size
+    from training.memory import GB, estimate
+    from training.metrics import model_flops_per_token
+
+    m, t = option.model, option.train
+    world = settings["gpus_per_node"] * settings["nodes"]
+    micro = t.global_batch_size // (t.micro_batch_size * lay.dp)
+    est = estimate(option, lay, vocab_size, micro, settings["flash_attention"])
+    vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, lay.tp)
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    e = 2 if t.precision == "bf16" else 4
+    sbh = m.seq_length * t.micro_batch_size * m.hidden_size
+    flops_per_token = model_flops_per_token(option, vocab, ffn)  # 3 x forward
+    flops_per_gpu = flops_per_token * t.global_batch_size * m.seq_length / world
+    heads = m.num_attention_heads
+    head_dim = m.kv_channels or m.hidden_size // heads
+    recompute = {"none": 0.0, "full": (flops_per_token / 3 - 2 * m.hidden_size * vocab) / flops_per_token,
+                 "selective": 2 * m.num_layers * m.seq_length * heads * head_dim / flops_per_token}[lay.recompute]
+    # TP per layer and micro-batch: 2 all-reduces forward + 2 backward (SP: all-gathers + reduce-scatters of
+    # the same volume; its backward re-gather overlaps the weight-gradient GEMMs); full recompute redoes forward
+    collectives = 4 + (2 if lay.recompute == "full" else 0)
+    tp_bytes = (m.num_layers // lay.pp) * micro * collectives * 2 * (lay.tp - 1) / lay.tp * e * sbh
+    shard = (lay.dp - 1) / lay.dp
+    dp_bytes = est.params_per_gpu * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
+    pp_bytes = 2 * micro * (lay.vpp or 1) * e * sbh / (lay.tp if lay.sp else 1) if lay.pp > 1 else 0.0
+    tp_comm = (tp_bytes / (settings["link_gbps"] * GB)) / (flops_per_gpu / (settings["tflops"] * 1e12))
+    bubble = (lay.pp - 1) / ((lay.vpp or 1) * micro)
+    budget = settings["gpu_mem_gb"] * t.max_memory_fraction
+    return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, sp=lay.sp, dist_opt=lay.dist_opt,
+                recompute=lay.recompute, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
+                stage=est.stage, params_per_gpu=est.params_per_gpu, micro_batches=micro,
+                bubble=round(bubble, 4), comm_gb={"tp": round(tp_bytes / GB, 3), "dp": round(dp_bytes / GB, 3),
+                                                  "pp": round(pp_bytes / GB, 3)},
+                score=round((1 + bubble) * (1 + recompute + tp_comm), 4))
+
+
+def layout_overrides(row: dict) -> str:
+    vpp = "null" if row["vpp"] is None else row["vpp"]
+    return (f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vpp={vpp} "
+            f"parallel.sp={str(row['sp']).lower()} parallel.dist_opt={str(row['dist_opt']).lower()} "
+            f"model.recompute={row['recompute']}")
+
+
+def table(rows: list[dict], top: int) -> str:
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>4} {'sp':>3} {'dopt':>4} {'recomp':>9} | "
+            f"{'w+opt':>7} {'act':>7} {'total':>7} {'fits':>4} | {'bubble':>6} {'TP GB':>7} {'DP GB':>7} | score")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(rows[:top], 1):
+        g = r["mem_gb"]
+        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['vpp'] or '-':>3} {r['dp']:>4} "
+                     f"{'on' if r['sp'] else '-':>3} {'on' if r['dist_opt'] else '-':>4} {r['recompute']:>9} | "
+                     f"{g['weights_and_optimizer']:>7.1f} {g['activations']:>7.1f} {g['total']:>7.1f} "
+                     f"{'yes' if r['fits'] else 'no':>4} | {r['bubble']:>6.3f} {r['comm_gb']['tp']:>7.1f} "
+                     f"{r['comm_gb']['dp']:>7.1f} | {r['score']:.3f}")
+    return "\n".join(lines)
+
+
+def plan(settings: dict, overrides: list[str]) -> tuple[list[dict], str]:
+    """Ranked rows (the recommended one flagged) and a header describing the problem."""
+    from training.compose import compose
+    from training.data import resolve_vocab_size
+    from training.memory import Layout, estimate
+    from training.tokenizer import build_tokenizer
+
+    cfg = compose(overrides)
+    vocab_size = resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer))
+    world = settings["gpus_per_node"] * settings["nodes"]
+    valid, rejected = candidates(cfg, world, settings["gpus_per_node"])
+    if not valid:
+        raise ValueError(f"no valid layout on {world} GPUs: " + "; ".join(rejected or ["none to try"]))
+    rows = [assess(option, lay, vocab_size, settings) for lay, option in valid]
+    rows.sort(key=lambda r: (not r["fits"], r["score"], r["mem_gb"]["total"]))
+    rows[0]["recommended"] = rows[0]["fits"]
+    for r in rows[1:]:
+        r["recommended"] = False
+    total = estimate(cfg, Layout(1, 1, None, 1, False, False, "none"), vocab_size, 1).params_total
+    t = cfg.train
+    header = (f"{cfg.model.name}: {total / 1e9:.3f} B parameters, seq {cfg.model.seq_length}, micro batch "
+              f"{t.micro_batch_size}, global batch {t.global_batch_size}, {t.precision}; {world} GPUs "
+              f"({settings['nodes']} x {settings['gpus_per_node']}) of {settings['gpu_mem_gb']:g} GB, budget "
+              f"{settings['gpu_mem_gb'] * t.max_memory_fraction:g} GB (train.max_memory_fraction="
+              f"{t.max_memory_fraction:g}); flash attention {'assumed' if settings['flash_attention'] else 'off'}")
+    return rows, header
+
+
+def main(argv: list[str]) -> int:
+    quiet_known_noise()
+    from training.errors import TemplateError
+
+    try:
+        settings, overrides, as_json = parse_args(argv)
+        rows, header = plan(settings, overrides)
+    except (TemplateError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - Hydra's override/composition errors, made one line
+        print(f"error: {type(err).__name__}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    fitting = sum(r["fits"] for r in rows)
+    print(f"{header}\n{len(rows)} layouts, {fitting} fit; best {min(settings['top'], len(rows))}:\n")
+    print(table(rows, settings["top"]))
+    best = rows[0]
+    user = " ".join(overrides)
+    if best["recommended"]:
+        launcher = "launch/train.sh" if settings["nodes"] == 1 else f"NNODES={settings['nodes']} launch/multinode.sh"
+        print(f"\nrecommended (#1): NPROC={settings['gpus_per_node']} {launcher} {user} {layout_overrides(best)}"
+              .replace("  ", " "))
+    else:
+        print(f"\nnothing fits: the smallest needs {min(r['mem_gb']['total'] for r in rows):.1f} GB per GPU; add "
+              f"GPUs (plan.nodes), lower train.micro_batch_size or model.seq_length, or use larger GPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
