@@ -35,6 +35,7 @@ def _worker(rank, world_size, port, fn, args, results):
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
+    torch.set_num_threads(1)  # torch read the thread count at import, before the line above
     try:
         # Results travel as torch.save bytes: tensors sent through the queue as shared memory would be
         # lost when this process exits before the parent reads them.
@@ -49,7 +50,8 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 180.
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+    # not daemonic: dist_checkpointing.save starts a multiprocessing manager (a child process)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

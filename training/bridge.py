@@ -102,4 +102,6 @@ def scheduler_kwargs(cfg: Config) -> dict:
         init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
         lr_decay_steps=max(decay_end, o.warmup_iters + 1), lr_decay_style=o.decay_style,
         start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_end, wd_incr_style="constant",
+        # the config, not the checkpoint, defines the schedule: raising train.iters on resume extends it
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )

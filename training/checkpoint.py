@@ -213,8 +213,8 @@ def maybe_load(cfg: Config, t) -> tuple[int, int]:
     run = json.loads((path / RUN_FILE).read_text())
     check_compatible(cfg, run, _unwrap(t.model[0]).vocab_size)
     same_layout = {k: run["layout"][k] for k in ("tp", "pp")} == {k: _layout()[k] for k in ("tp", "pp")}
-    template = state_dict(cfg, t, is_loading=True, with_rng=same_layout)
     upstream_fixes.before_optimizer_load(t.optimizer)
+    template = state_dict(cfg, t, is_loading=True, with_rng=same_layout)
     try:
         loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
     except Exception as err:  # noqa: BLE001 - any failure here means the files are not usable

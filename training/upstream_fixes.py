@@ -6,9 +6,27 @@ after the upstream report and covered by a test.
    gradients come out silently wrong. Megatron-LM itself defaults interleaving to
    `overlap_p2p_comm=True, batch_p2p_comm=False`; we always do the same.
    Test: tests/test_model_parallel_equivalence.py (the pp2-vpp2 case compares every gradient).
+
+2. DistributedOptimizer over torch.optim.AdamW (what Megatron-Core uses without TE/apex: every CPU run,
+   and GPU boxes without them) cannot resume correctly:
+   a. `sharded_state_dict(is_loading=True)` calls `state_dict()`, which asserts exactly one distinct
+      Adam `step` among the per-parameter states; before the first step there are none, so loading a
+      checkpoint into a fresh optimizer fails (`AssertionError` / `KeyError: 'step'`).
+      Fix: give every parameter an empty Adam state (zeros, its own `step`) before loading.
+   b. Loading the `fully_reshardable` parameter state copies every tensor of a parameter's Adam state
+      from the checkpoint, including torch's `step` tensor, which the checkpoint does not hold per
+      parameter: `KeyError: 'step'`. Fix: the step is left out of that copy (it is restored from the
+      param groups, as Megatron-Core intends).
+   c. `load_state_dict` puts ONE `step` tensor object into every parameter's state. torch's AdamW
+      increments each parameter's step in place, so after a load the shared counter advances once per
+      parameter per iteration and the bias correction is wrong from then on: the run silently diverges
+      from the uninterrupted one. Fix: give each parameter its own copy after loading.
+   Test: tests/test_checkpoint.py (bit-identical losses after resuming with the distributed optimizer).
 """
 
 from __future__ import annotations
+
+import torch
 
 
 def pipeline_p2p_settings(pp: int, vpp: int | None) -> dict:
@@ -17,9 +35,55 @@ def pipeline_p2p_settings(pp: int, vpp: int | None) -> dict:
     return {"overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
 
 
+
+
+def _torch_adam_distributed_optimizers(optimizer) -> list:
+    """Megatron-Core DistributedOptimizers that wrap torch Adam/AdamW, when TE/apex (whose fused Adam
+    keeps `step` per param group and has none of these bugs) are absent."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(opt, distrib_optimizer.DistributedOptimizer)
+            and isinstance(getattr(opt, "optimizer", None), torch.optim.Adam)]  # AdamW subclasses Adam
+
+
+def _copy_state_without_step(dist_opt) -> None:
+    """Fix 2b, on this optimizer instance only (idempotent)."""
+    if getattr(dist_opt, "_template_step_fix", False):
+        return
+    original = dist_opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group_index, group_order = dist_opt.model_param_group_index_map[model_param]
+        state = dist_opt.optimizer.state[dist_opt.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            original(model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    dist_opt._set_main_param_and_optimizer_states = set_states
+    dist_opt._template_step_fix = True
+
+
 def before_optimizer_load(optimizer) -> None:
-    """Hook run before a checkpoint's optimizer state is loaded (see the fixes listed above)."""
+    """Fixes 2a and 2b: an empty Adam state per parameter; the step left out of the state copy."""
+    for dist_opt in _torch_adam_distributed_optimizers(optimizer):
+        adam = dist_opt.optimizer
+        for group in adam.param_groups:
+            for param in group["params"]:
+                if param not in adam.state:
+                    adam.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                         "exp_avg_sq": torch.zeros_like(param)}
+        _copy_state_without_step(dist_opt)
 
 
 def after_optimizer_load(optimizer) -> None:
-    """Hook run after a checkpoint's optimizer state is loaded (see the fixes listed above)."""
+    """Fix 2c: one `step` tensor per parameter (the load shares a single tensor among all of them)."""
+    for dist_opt in _torch_adam_distributed_optimizers(optimizer):
+        for state in dist_opt.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
