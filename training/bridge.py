@@ -97,7 +97,7 @@ def optimizer_config(cfg: Config) -> OptimizerConfig:
 def scheduler_kwargs(cfg: Config) -> dict:
     """Arguments of Megatron-Core's OptimizerParamScheduler, stepped once per iteration."""
     o = cfg.optim
-    decay_end = o.decay_iters if o.decay_iters is not None else cfg.train.iters
+    decay_end = o.decay_iters if o.decay_iters is not None else max(cfg.train.iters, 1)
     return dict(
         init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
         lr_decay_steps=max(decay_end, o.warmup_iters + 1), lr_decay_style=o.decay_style,

@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +45,24 @@ class CheckpointError(TemplateError):
     pass
 
 
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts: from scratch, from this run's checkpoint (resumed), or from weights."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    resumed: bool = False  # a checkpoint of this run was loaded (it is already on disk)
+    train_samples: int | None = None  # the train dataset size the checkpointed run was built with
+
+
 def iter_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def due(cfg: Config, iteration: int, final: bool) -> bool:
+def due(cfg: Config, iteration: int) -> bool:
+    """A periodic save (train.save_interval); the loop also saves once at the end and before exiting."""
     interval = cfg.train.save_interval
-    return cfg.checkpoint.dir is not None and (final or (interval > 0 and iteration % interval == 0))
+    return cfg.checkpoint.dir is not None and interval > 0 and iteration % interval == 0
 
 
 def is_complete(path: Path) -> bool:
@@ -115,13 +127,15 @@ def model_keys(t) -> list[str]:
     return ["model"] if len(t.model) == 1 else [f"model{i}" for i in range(len(t.model))]
 
 
-def state_dict(cfg: Config, t, is_loading: bool, with_rng: bool = True) -> dict:
+def state_dict(cfg: Config, t, is_loading: bool, with_rng: bool = True, model_only: bool = False) -> dict:
     meta = sharded_metadata(cfg)
     # DDP(chunk).module is the GPT (or its Float16Module), which knows its sharded state dict
     state = {key: chunk.module.sharded_state_dict(metadata=meta) for key, chunk in zip(model_keys(t), t.model)}
+    if model_only:
+        return state
+    upstream_fixes.before_optimizer_state_dict(t.optimizer)
     state["optimizer"] = t.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=meta)
     state["scheduler"] = t.scheduler.state_dict()
-    state["iteration"], state["consumed_samples"] = 0, 0
     if with_rng:
         pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
         state["rng_state"] = ShardedObject(
@@ -132,7 +146,8 @@ def state_dict(cfg: Config, t, is_loading: bool, with_rng: bool = True) -> dict:
     return state
 
 
-def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | Path | None = None) -> Path:
+def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | Path | None = None,
+         train_samples: int | None = None) -> Path:
     root = Path(cfg.checkpoint.dir)
     path = iter_dir(root, iteration)
     rank0 = dist.get_rank() == 0
@@ -149,6 +164,7 @@ def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | P
         from omegaconf import OmegaConf
 
         run = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(),
+               "train_samples": train_samples,
                "vocab_size": _unwrap(t.model[0]).vocab_size,
                "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "versions": _versions(),
                "run_dir": str(run_dir) if run_dir else None}
@@ -167,25 +183,37 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def resolve_load_path(cfg: Config) -> Path | None:
-    """checkpoint.load -> the iter_* directory to load, or None to start fresh."""
-    spec = cfg.checkpoint.load
+def newest_complete(root: Path) -> Path | None:
+    """The checkpoint `latest` names if it is complete, else the newest complete one, else None."""
+    candidates = complete_checkpoints(root)
+    latest = root / LATEST
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if not is_complete(named):
+            print0(f"warning: {latest} names {named}, which is incomplete; using the newest complete one")
+        elif named in candidates:
+            return named
+    return candidates[0] if candidates else None
+
+
+def resolve_load_path(cfg: Config) -> tuple[Path | None, bool]:
+    """checkpoint.load -> (the iter_* directory to load or None to start fresh, weights only?).
+
+    With checkpoint.finetune the weights of checkpoint.load start the run, unless checkpoint.dir
+    already holds this run's own checkpoint: then a restarted (requeued) fine-tune resumes itself."""
+    spec, own = cfg.checkpoint.load, None
+    if cfg.checkpoint.dir is not None:
+        own = newest_complete(Path(cfg.checkpoint.dir))
+    if cfg.checkpoint.finetune:
+        return (own, False) if own is not None else (_explicit(spec), True)
     if spec is None:
-        return None
+        return None, False
     if spec == "auto":
-        if cfg.checkpoint.dir is None:
-            return None
-        root = Path(cfg.checkpoint.dir)
-        candidates = complete_checkpoints(root)
-        latest = root / LATEST
-        if latest.is_file():
-            named = root / latest.read_text().strip()
-            if not is_complete(named):
-                print0(f"warning: {latest} names {named}, which is incomplete; using the newest complete one")
-            elif named in candidates:
-                candidates.remove(named)
-                candidates.insert(0, named)
-        return candidates[0] if candidates else None
+        return own, False
+    return _explicit(spec), False
+
+
+def _explicit(spec: str) -> Path:
     path = Path(spec)
     if (path / LATEST).is_file():
         path = path / (path / LATEST).read_text().strip()
@@ -205,16 +233,29 @@ def check_compatible(cfg: Config, run: dict, vocab_size: int) -> None:
         raise CheckpointError("the model in the config does not match the checkpoint's: " + "; ".join(differ))
 
 
-def maybe_load(cfg: Config, t) -> tuple[int, int]:
-    """Load per checkpoint.load; returns (iteration, consumed_samples), (0, 0) when starting fresh."""
-    path = resolve_load_path(cfg)
+def check_same_optimizer(cfg: Config, run: dict, path: Path) -> None:
+    """The distributed and the plain optimizer save different state layouts: resume with the same one."""
+    saved = run["config"]["parallel"]["dist_opt"]
+    if saved != cfg.parallel.dist_opt:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with parallel.dist_opt={str(saved).lower()} but this run has "
+            f"parallel.dist_opt={str(cfg.parallel.dist_opt).lower()}: resume with the same setting (TP, PP and "
+            f"DP may change), or load the weights only with checkpoint.finetune=true")
+
+
+def maybe_load(cfg: Config, t) -> Start:
+    """Load per checkpoint.load / checkpoint.finetune (weights only: the run starts at iteration 0)."""
+    path, weights_only = resolve_load_path(cfg)
     if path is None:
-        return 0, 0
+        return Start()
     run = json.loads((path / RUN_FILE).read_text())
     check_compatible(cfg, run, _unwrap(t.model[0]).vocab_size)
+    if not weights_only:
+        check_same_optimizer(cfg, run, path)
     same_layout = {k: run["layout"][k] for k in ("tp", "pp")} == {k: _layout()[k] for k in ("tp", "pp")}
-    upstream_fixes.before_optimizer_load(t.optimizer)
-    template = state_dict(cfg, t, is_loading=True, with_rng=same_layout)
+    template = state_dict(cfg, t, is_loading=True, with_rng=same_layout, model_only=weights_only)
+    if not weights_only:
+        template["iteration"], template["consumed_samples"] = 0, 0
     try:
         loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
     except Exception as err:  # noqa: BLE001 - any failure here means the files are not usable
@@ -222,6 +263,10 @@ def maybe_load(cfg: Config, t) -> tuple[int, int]:
                               f"{str(err).splitlines()[0] if str(err) else ''}") from err
     for key, chunk in zip(model_keys(t), t.model):
         chunk.load_state_dict(loaded[key], strict=True)
+    if weights_only:
+        t.optimizer.reload_model_params()  # fp32 main params (bf16, distributed optimizer) follow
+        print0(f"fine-tuning from the weights of {path} (fresh optimizer, schedule and data order)")
+        return Start()
     t.optimizer.load_state_dict(loaded["optimizer"])
     upstream_fixes.after_optimizer_load(t.optimizer)
     t.scheduler.load_state_dict(loaded["scheduler"])
@@ -231,4 +276,4 @@ def maybe_load(cfg: Config, t) -> tuple[int, int]:
         print0(f"note: layout changed (saved tp/pp {run['layout']['tp']}/{run['layout']['pp']}); RNG "
                f"streams restart from the seed, weights and optimizer state are resharded")
     print0(f"loaded checkpoint {path} (iteration {loaded['iteration']})")
-    return int(loaded["iteration"]), int(loaded["consumed_samples"])
+    return Start(int(loaded["iteration"]), int(loaded["consumed_samples"]), True, run.get("train_samples"))

@@ -73,7 +73,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    iters: int = 200  # optimizer steps in the run
+    iters: int = 200  # optimizer steps in the run (0: build, save the initial checkpoint, exit)
     micro_batch_size: int = 4  # sequences per micro-batch per data-parallel rank
     global_batch_size: int = 16  # sequences per optimizer step, all DP ranks and micro-batches together
     seed: int = 1234  # one seed for init, dropout and data order
@@ -98,6 +98,7 @@ class CheckpointConfig:
     dir: Optional[str] = None  # where iter_XXXXXXX/ checkpoints go; null = no checkpoints
     load: Optional[str] = "auto"  # auto (resume from dir's latest if any) | null (fresh) | a path
     keep: int = 3  # newest checkpoints kept; older ones are deleted after a successful save; 0 = all
+    finetune: bool = False  # start from checkpoint.load's weights only: fresh optimizer, schedule, data, iteration 0
 
 
 @dataclass

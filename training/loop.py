@@ -110,21 +110,37 @@ def chunk_iterators(t, dataset, consumed: int, cfg: Config, derived: Derived):
     return streams if len(streams) > 1 else streams[0]
 
 
+def train_dataset_size(cfg: Config, start: checkpoint.Start) -> int:
+    """Samples to build: the run's need, but a resumed run keeps the size its checkpoint was built with
+    (Megatron's multi-epoch shuffle depends on it) as long as that covers the run, so its batches continue
+    exactly. Raising train.iters past it reshuffles the rest of the run: said, not silent."""
+    needed = cfg.train.iters * cfg.train.global_batch_size
+    saved = start.train_samples
+    if saved is not None and saved < needed:
+        D.print0(f"note: train.iters grew: the dataset is rebuilt for {needed} samples (was {saved}); the "
+                 f"order of samples after iteration {start.iteration} differs from the original run's plan")
+    return needed if saved is None or saved < needed else saved
+
+
 def run(cfg: Config, run_dir: str | Path) -> dict:
     derived = validate(cfg)
     p = cfg.parallel
     with D.distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed,
                        timeout_minutes=p.timeout_minutes) as info:
+        stopper = Stopper(cfg)  # signal handlers first: a SIGTERM during setup still stops cleanly
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         vocab_size = resolve_vocab_size(cfg, tokenizer)
         preflight(cfg, derived, info.device, run_dir, vocab_size)  # memory estimate; stops if it cannot fit
         t = build(cfg, vocab_size, info.device)
-        iteration, consumed = checkpoint.maybe_load(cfg, t)
-        needs_data = any(unwrap(m).pre_process or unwrap(m).post_process for m in t.model)
+        start = checkpoint.maybe_load(cfg, t)
+        iteration, consumed = start.iteration, start.consumed_samples
+        saved_at = iteration if start.resumed else None  # the iteration already on disk
         g = cfg.train.global_batch_size
+        train_samples = train_dataset_size(cfg, start)
         evals = cfg.train.iters // cfg.train.eval_interval + 1 if cfg.train.eval_interval else 0
-        train_ds, valid_ds = build_datasets(cfg, tokenizer, (cfg.train.iters * g, evals * cfg.train.eval_iters * g),
-                                            needs_data)
+        needs_data = any(unwrap(m).pre_process or unwrap(m).post_process for m in t.model)
+        train_ds, valid_ds = build_datasets(cfg, tokenizer, (train_samples, evals * cfg.train.eval_iters * g),
+                                            needs_data) if iteration < cfg.train.iters else (None, None)
         train_data = chunk_iterators(t, train_ds, consumed, cfg, derived)
 
         def valid_data():  # the same validation batches at every evaluation
@@ -140,7 +156,7 @@ def run(cfg: Config, run_dir: str | Path) -> dict:
             D.print0(f"nothing to train: the checkpoint is at iteration {iteration} >= train.iters="
                      f"{cfg.train.iters} (raise train.iters to continue)")
         logger = MetricsLogger(run_dir, cfg.train.iters, D.is_rank0(), cfg.train.tensorboard)
-        stopper, profiler = Stopper(cfg), Profiler(cfg, run_dir, D.is_rank0())
+        profiler = Profiler(cfg, run_dir, D.is_rank0())
         window_start, window_steps, skipped, last = time.perf_counter(), 0, 0, {}
         while iteration < cfg.train.iters:
             profiler.step(iteration)
@@ -163,13 +179,15 @@ def run(cfg: Config, run_dir: str | Path) -> dict:
             if cfg.train.eval_interval and iteration % cfg.train.eval_interval == 0:
                 logger.log(dict(iteration=iteration, val_loss=evaluate(t, valid_data, derived, cfg, info.device)))
                 window_start = time.perf_counter()
-            stop = stopper.should_stop(iteration)
-            if checkpoint.due(cfg, iteration, final=stop or iteration == cfg.train.iters):
-                checkpoint.save(cfg, t, iteration, consumed, run_dir)
+            if checkpoint.due(cfg, iteration):
+                checkpoint.save(cfg, t, iteration, consumed, run_dir, train_samples)
+                saved_at = iteration
                 window_start = time.perf_counter()
-            if stop:
+            if stopper.should_stop(iteration):
                 D.print0(f"stopping at iteration {iteration}: {stopper.reason}")
                 break
+        if cfg.checkpoint.dir is not None and saved_at != iteration:  # the end, or an early stop
+            checkpoint.save(cfg, t, iteration, consumed, run_dir, train_samples)
         profiler.close()
         logger.close()
         return last

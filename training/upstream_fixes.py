@@ -69,8 +69,9 @@ def _copy_state_without_step(dist_opt) -> None:
     dist_opt._template_step_fix = True
 
 
-def before_optimizer_load(optimizer) -> None:
-    """Fixes 2a and 2b: an empty Adam state per parameter; the step left out of the state copy."""
+def before_optimizer_state_dict(optimizer) -> None:
+    """Fixes 2a and 2b, before the optimizer's sharded state dict is built (save or load): an empty
+    Adam state (equivalent to none) for parameters without one; the step left out of the state copy."""
     for dist_opt in _torch_adam_distributed_optimizers(optimizer):
         adam = dist_opt.optimizer
         for group in adam.param_groups:

@@ -56,9 +56,10 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     for key, allowed in CHOICES.items():
         need(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
     for key in ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length",
-                "parallel.tp", "parallel.pp", "train.iters", "train.micro_batch_size",
-                "train.global_batch_size", "train.log_interval"):
+                "parallel.tp", "parallel.pp", "train.micro_batch_size", "train.global_batch_size",
+                "train.log_interval"):
         need(_get(cfg, key) >= 1, f"{key}={_get(cfg, key)} must be >= 1")
+    need(t.iters >= 0, f"train.iters={t.iters} must be >= 0 (0 saves the initial checkpoint)")
     if out:  # the arithmetic below assumes positive sizes and known choices
         return out
 
@@ -115,8 +116,7 @@ def problems(cfg: Config, world_size: int) -> list[str]:
 
     need(o.lr >= o.min_lr >= 0, f"optim.lr={o.lr} must be >= optim.min_lr={o.min_lr} >= 0")
     need(0 <= o.warmup_iters, f"optim.warmup_iters={o.warmup_iters} must be >= 0")
-    decay = o.decay_iters if o.decay_iters is not None else t.iters
-    need(decay >= 1, f"optim.decay_iters={decay} must be >= 1")
+    need(o.decay_iters is None or o.decay_iters >= 1, f"optim.decay_iters={o.decay_iters} must be >= 1")
     need(o.clip_grad >= 0, f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
     need(t.eval_interval >= 0 and t.save_interval >= 0 and t.exit_interval >= 0,
          "train.eval_interval, train.save_interval and train.exit_interval must be >= 0")
@@ -133,6 +133,8 @@ def problems(cfg: Config, world_size: int) -> list[str]:
          f"data.weights={cfg.data.weights} must be >= 0 with a positive sum")
     need(cfg.checkpoint.keep >= 0, f"checkpoint.keep={cfg.checkpoint.keep} must be >= 0")
     load = cfg.checkpoint.load
+    need(not cfg.checkpoint.finetune or load not in (None, "auto"),
+         f"checkpoint.finetune=true needs checkpoint.load=<a checkpoint path> (got {load})")
     need(load in (None, "auto") or os.path.exists(load),
          f"checkpoint.load={load} does not exist (use auto, null, or an existing checkpoint path)")
     return out

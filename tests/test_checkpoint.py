@@ -1,0 +1,226 @@
+"""Checkpoints: bit-exact resume, resharding with the optimizer state, saves that never lose the last
+good state, clear errors for corrupt or mismatched checkpoints."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_distributed
+from layouts import assemble, global_name
+from runs import QUICK, losses, train
+
+ROOT = Path(__file__).resolve().parents[1]
+SAVE_AT_10 = ["train.iters=20", "train.save_interval=10", "checkpoint.keep=0"]
+LAYOUTS = {
+    "tp2": (["parallel.tp=2"], 2),
+    "pp2": (["parallel.pp=2"], 2),
+    "tp2-dp2-distopt": (["parallel.tp=2", "parallel.dist_opt=true"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Each layout trained 20 iterations in one go, saving at 10 and 20 (computed once)."""
+    cache = {}
+
+    def get(layout: str):
+        if layout not in cache:
+            run_dir = tmp_path_factory.mktemp(f"full-{layout}")
+            extra, world = LAYOUTS[layout]
+            cache[layout] = (run_dir, train(SAVE_AT_10 + extra, world, run_dir))
+        return cache[layout]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_from_iteration_10_is_bit_identical(layout, uninterrupted, tmp_path):
+    full_dir, full = uninterrupted(layout)
+    extra, world = LAYOUTS[layout]
+    resumed = train(SAVE_AT_10 + extra + [f"checkpoint.load={full_dir}/checkpoints/iter_0000010"], world, tmp_path)
+    assert sorted(resumed) == list(range(11, 21))
+    assert {i: full[i] for i in resumed} == resumed  # exact float equality, every iteration
+
+
+def _moments_after_load(overrides: list[str], checkpoint_dir: str) -> dict:
+    """Build a layout, load the checkpoint, return each local parameter's Adam moments and shard info
+    (distributed optimizer at DP=1: each rank's optimizer shard is its whole, flattened parameter)."""
+    from megatron.core import parallel_state as ps
+
+    from training import checkpoint, dist as D
+    from training.build import build, unwrap
+    from training.compose import compose
+
+    cfg = compose(QUICK + overrides + [f"checkpoint.load={checkpoint_dir}", "checkpoint.dir=null"])
+    with D.distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, timeout_minutes=2) as info:
+        t = build(cfg, 257, info.device)
+        start = checkpoint.maybe_load(cfg, t)
+        (opt,) = t.optimizer.chained_optimizers
+        out = {"iteration": start.iteration}
+        for chunk in t.model:
+            gpt = unwrap(chunk)
+            for name, param in gpt.named_parameters():
+                group, order = opt.model_param_group_index_map[param]
+                state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+                parallel = getattr(param, "tensor_model_parallel", False)
+                shard = (ps.get_tensor_model_parallel_rank(), cfg.parallel.tp,
+                         param.partition_dim if parallel else None, param.partition_stride if parallel else 1)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    out.setdefault(f"{key}.{global_name(gpt, name)}", []).append(
+                        (*shard, state[key].view(param.shape).clone()))
+        return out
+
+
+@pytest.mark.parametrize("target", ["tp1", "pp2"])
+def test_reshard_distopt_tp2_dp2_keeps_adam_state_and_losses(target, uninterrupted, tmp_path):
+    full_dir, full = uninterrupted("tp2-dp2-distopt")
+    ckpt = full_dir / "checkpoints" / "iter_0000010"
+    # The distributed optimizer's fully_reshardable checkpoint reshards into any TP / PP / DP
+    # (at DP=1 too); switching parallel.dist_opt on resume is refused (test below).
+    extra, world = {"tp1": (["parallel.dist_opt=true"], 1),
+                    "pp2": (["parallel.pp=2", "parallel.dist_opt=true"], 2)}[target]
+
+    # Adam's moments after loading equal the originals (the checkpoint's full, gathered tensors).
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(tmp_path / "original.pt"))
+    original = torch.load(tmp_path / "original.pt", weights_only=False)
+    parts: dict[str, list] = {}
+    for result in run_distributed(_moments_after_load, world, (extra, str(ckpt)), timeout=300):
+        assert result.pop("iteration") == 10
+        for key, pieces in result.items():
+            parts.setdefault(key, []).extend(pieces)
+    assert len(parts) == 2 * 14  # exp_avg and exp_avg_sq of every parameter of the 2-layer model
+    for key, pieces in parts.items():
+        loaded = assemble(pieces, None)
+        saved = original[f"optimizer.state.{key}"][: loaded.shape[0]]  # vocab padding: tp2 pads more
+        assert torch.equal(loaded, saved), key
+
+    # Training continues as the uninterrupted tp2 x dp2 run did (reduction order differs: 1e-5).
+    resumed = train(SAVE_AT_10 + extra + [f"checkpoint.load={ckpt}"], world, tmp_path / "run")
+    assert sorted(resumed) == list(range(11, 21))
+    for i, loss in resumed.items():
+        assert loss == pytest.approx(full[i], rel=1e-5), (i, loss, full[i])
+
+
+def _launch(tmp_path: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
+    env = dict(os.environ, NPROC=str(nproc), RUN_DIR=str(tmp_path / "run"))
+    return subprocess.Popen(["launch/train.sh", *QUICK, *overrides], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _workers(launcher: subprocess.Popen) -> list[int]:
+    """PIDs of the training processes (train.py under torchrun) started by a launch."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)
+            if "train.py" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigterm_mid_run_saves_and_exits_zero(tmp_path):
+    launcher = _launch(tmp_path, "train.iters=100000")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 240, "3 iterations")
+    workers = _workers(launcher)
+    assert len(workers) == 2, workers
+    for pid in workers:  # what a scheduler's preemption does: SIGTERM to every training process
+        os.kill(pid, signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "stopping at iteration" in output and "received SIGTERM" in output
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    stopped_at = max(losses(tmp_path / "run"))
+    assert latest == f"iter_{stopped_at:07d}"
+
+
+def test_sigkill_during_a_save_leaves_latest_loadable(tmp_path):
+    launcher = _launch(tmp_path, "train.iters=100000", "train.save_interval=1", "checkpoint.keep=2")
+    ckpts = tmp_path / "run" / "checkpoints"
+
+    def save_in_progress():
+        return (ckpts / "latest").exists() and any(
+            d.is_dir() and not (d / "run.json").exists() for d in ckpts.glob("iter_*"))
+
+    _wait_for(save_in_progress, 300, "a save in progress after a first complete checkpoint")
+    os.kill(max(_workers(launcher)), signal.SIGKILL)  # one rank dies mid-save
+    launcher.communicate(timeout=240)
+    assert launcher.returncode != 0
+    latest = ckpts / (ckpts / "latest").read_text().strip()
+    assert (latest / "run.json").exists(), "latest must name a complete checkpoint"
+
+    # ... and it loads: a resumed run (auto) starts right after it.
+    iteration = json.loads((latest / "run.json").read_text())["iteration"]
+    resumed = train([f"checkpoint.dir={ckpts}", f"train.iters={iteration + 1}"], 2, tmp_path / "resume")
+    assert list(resumed) == [iteration + 1]
+
+
+def _load_only(overrides: list[str]) -> str:
+    from training import checkpoint, dist as D
+    from training.build import build
+    from training.compose import compose
+    from training.errors import TemplateError
+
+    cfg = compose(QUICK + overrides)
+    with D.distributed(timeout_minutes=2) as info:
+        t = build(cfg, 257, info.device)
+        try:
+            return f"loaded iteration {checkpoint.maybe_load(cfg, t).iteration}"
+        except TemplateError as err:
+            return f"error: {err}"
+
+
+def test_partial_corrupt_and_mismatched_checkpoints(tmp_path):
+    ckpts = tmp_path / "run" / "checkpoints"
+    train(["train.iters=4", "train.save_interval=2", "checkpoint.keep=0"], 1, tmp_path / "run")
+    assert sorted(p.name for p in ckpts.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+
+    # A save that died before finishing: auto skips it and takes the newest complete one.
+    (ckpts / "iter_0000006").mkdir()
+    (ckpts / "iter_0000006" / "__0_0.distcp").write_bytes(b"partial")
+    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.dir={ckpts}", "checkpoint.load=auto"],), timeout=120)
+    assert result == "loaded iteration 4"
+    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.load={ckpts}/iter_0000006"],), timeout=120)
+    assert result.startswith("error: checkpoint") and "iter_0000006 is incomplete" in result
+
+    # A corrupted shard: the integrity check names the checkpoint.
+    shard = next((ckpts / "iter_0000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-64] + b"\0" * 64)
+    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.load={ckpts}/iter_0000004"],), timeout=120)
+    assert result.startswith(f"error: cannot load checkpoint {ckpts}/iter_0000004")
+
+    # A model of another shape: refused, naming every differing field.
+    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.load={ckpts}/iter_0000002", "model.hidden_size=64",
+                                                 "model.ffn_hidden_size=176"],), timeout=120)
+    assert "hidden_size: checkpoint 128 vs config 64" in result and "ffn_hidden_size: checkpoint 352 vs config 176" in result
+
+    # Another optimizer type: refused with what to do instead.
+    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.load={ckpts}/iter_0000002", "parallel.dist_opt=true"],),
+                                timeout=120)
+    assert "saved with parallel.dist_opt=false but this run has parallel.dist_opt=true" in result
+
+
+def test_keep_prunes_old_checkpoints_and_latest_is_atomic(tmp_path):
+    train(["train.iters=6", "train.save_interval=2", "checkpoint.keep=2"], 1, tmp_path)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+    assert (ckpts / "latest").read_text() == "iter_0000006\n"
+    assert not list(ckpts.glob(".latest.tmp*"))
+    run = json.loads((ckpts / "iter_0000006" / "run.json").read_text())
+    assert run["iteration"] == 6 and run["consumed_samples"] == 6 * 8
+    assert run["versions"]["megatron-core"] == "0.19.2" and run["versions"]["torch"] == torch.__version__
+    assert run["config"]["model"]["num_layers"] == 2 and run["layout"] == {"tp": 1, "pp": 1, "dp": 1}
