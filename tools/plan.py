@@ -14,15 +14,19 @@ train.global_batch_size, train.precision, ...): the planner composes what train.
     plan.flash_attention true   SDPA on GPU keeps no s x s scores; false = Korthikanti's materialised scores
     plan.tflops          400    bf16 dense throughput an H100 sustains in large GEMMs (~40% of its 989 peak)
     plan.link_gbps       200    NCCL all-reduce bus bandwidth inside an NVLink node (H100 measures 350-450)
+    plan.internode_gbps  40     per-GPU bandwidth between nodes (one 400 Gb/s InfiniBand NIC per GPU)
     plan.top             15     rows in the table (--json prints every layout)
 
 Ranking: layouts that fit first, then by score, the step time relative to an ideal step (lower is better):
-    score     = (1 + bubble) * (1 + recompute + tp_comm)
+    score     = (1 + bubble) * (1 + recompute + tp_comm) + pp_comm + dp_comm
     bubble    = (pp - 1) / (vpp * m): idle share of (interleaved) 1F1B, m = micro-batches per step
     recompute = extra forward FLOPs / training FLOPs (full: the layers' forward; selective: core attention)
     tp_comm   = TP traffic time / compute time per GPU (TP collectives sit on the critical path)
-DP traffic (overlapped with backward under parallel.overlap_grad_reduce) and PP's point-to-point traffic
-are reported, not scored. Ties go to the smaller memory total, so sp and dist_opt win when they are free.
+    pp_comm   = (PP bytes / link + 4 m vpp messages x 100 us) / compute: every virtual stage boundary costs
+                a send and a receive forward and backward, and each costs a schedule sync, not only bytes
+    dp_comm   = 10% of the DP traffic time / compute: the reduction overlaps the backward pass except for
+                the last bucket and the parameter all-gather; across nodes it runs at plan.internode_gbps
+Ties go to the smaller memory total, so sp and dist_opt win when they are free.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training.noise import quiet_known_noise  # noqa: E402
 
 PLAN_DEFAULTS = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_gb": 80.0, "flash_attention": True,
-                 "tflops": 400.0, "link_gbps": 200.0, "top": 15}  # reasons in the docstring
+                 "tflops": 400.0, "link_gbps": 200.0, "internode_gbps": 40.0, "top": 15}  # reasons: docstring
+P2P_MESSAGE_S = 100e-6  # one pipeline send or receive: NCCL launch, the schedule's wait, small-message latency
+DP_EXPOSED = 0.1  # share of the DP traffic not hidden behind the backward pass
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -134,7 +140,12 @@ def assess(option, lay, vocab_size: int, settings: dict) -> dict:
     shard = (lay.dp - 1) / lay.dp
     dp_bytes = est.params_per_gpu * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
     pp_bytes = 2 * micro * (lay.vpp or 1) * e * sbh / (lay.tp if lay.sp else 1) if lay.pp > 1 else 0.0
-    tp_comm = (tp_bytes / (settings["link_gbps"] * GB)) / (flops_per_gpu / (settings["tflops"] * 1e12))
+    compute_s = flops_per_gpu / (settings["tflops"] * 1e12)
+    tp_comm = (tp_bytes / (settings["link_gbps"] * GB)) / compute_s
+    messages = 4 * micro * (lay.vpp or 1) if lay.pp > 1 else 0
+    pp_comm = (pp_bytes / (settings["link_gbps"] * GB) + messages * P2P_MESSAGE_S) / compute_s
+    dp_gbps = settings["link_gbps"] if settings["nodes"] == 1 else settings["internode_gbps"]
+    dp_comm = DP_EXPOSED * dp_bytes / (dp_gbps * GB) / compute_s
     bubble = (lay.pp - 1) / ((lay.vpp or 1) * micro)
     budget = settings["gpu_mem_gb"] * t.max_memory_fraction
     return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, sp=lay.sp, dist_opt=lay.dist_opt,
@@ -142,7 +153,7 @@ def assess(option, lay, vocab_size: int, settings: dict) -> dict:
                 stage=est.stage, params_per_gpu=est.params_per_gpu, micro_batches=micro,
                 bubble=round(bubble, 4), comm_gb={"tp": round(tp_bytes / GB, 3), "dp": round(dp_bytes / GB, 3),
                                                   "pp": round(pp_bytes / GB, 3)},
-                score=round((1 + bubble) * (1 + recompute + tp_comm), 4))
+                score=round((1 + bubble) * (1 + recompute + tp_comm) + pp_comm + dp_comm, 4))
 
 
 def layout_overrides(row: dict) -> str:
