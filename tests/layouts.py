@@ -84,8 +84,9 @@ def assemble(parts: list[tuple], full_rows: int | None) -> torch.Tensor:
     return out
 
 
-def _rank_step(overrides: list[str], weights: dict | None, batch: list[dict], steps: int,
-               want_logits: bool) -> dict:
+def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], steps: int,
+                want_logits: bool) -> dict:
+    """One layout in an existing process group: build, load, train, gather; groups reset after."""
     from megatron.core import parallel_state as ps
 
     from training import dist as D
@@ -98,7 +99,8 @@ def _rank_step(overrides: list[str], weights: dict | None, batch: list[dict], st
     cfg = compose(overrides)
     derived = validate(cfg)
     p = cfg.parallel
-    with D.distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, timeout_minutes=2) as info:
+    info = D.init(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, timeout_minutes=2)
+    try:
         t = build(cfg, VOCAB, info.device)
         tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), p.tp
         if weights is not None:
@@ -117,67 +119,99 @@ def _rank_step(overrides: list[str], weights: dict | None, batch: list[dict], st
                                     ps.get_data_parallel_rank()) for _ in t.model]
             return streams if len(streams) > 1 else streams[0]
 
-        losses = []
-        grads = {}
-        for step in range(steps):
-            if step < steps - 1:
-                loss, _, _ = train_step(t, iterators(), derived, cfg, info.device)
-                losses.append(loss)
-                continue
-            for chunk in t.model:  # the last step: keep the gradients, do not update
-                chunk.zero_grad_buffer()
-            losses.append(global_loss(run_schedule(t, iterators(), derived, cfg, forward_only=False),
-                                      info.device).item())
-            # The distributed optimizer reduce-scatters: each DP rank holds only its shard of the grads.
-            for chunk in (t.model if not cfg.parallel.dist_opt else []):
-                gpt = unwrap(chunk)
-                for name, param in gpt.named_parameters():
-                    tensor = getattr(param, "main_grad", None)
-                    parallel = getattr(param, "tensor_model_parallel", False)
-                    grads.setdefault(global_name(gpt, name), []).append(
-                        (tp_rank, tp_size, param.partition_dim if parallel else None,
-                         param.partition_stride if parallel else 1, tensor.detach().float().clone()))
-        out = {"losses": losses, "grads": grads, "params": {}}
+        def tagged(param, tensor):
+            parallel = getattr(param, "tensor_model_parallel", False)
+            return (tp_rank, tp_size, param.partition_dim if parallel else None,
+                    param.partition_stride if parallel else 1, tensor.detach().float().clone())
+
+        losses, grads, params = [], {}, {}
+        for _ in range(steps - 1):
+            losses.append(train_step(t, iterators(), derived, cfg, info.device)[0])
+        for chunk in t.model:  # the last step: keep the gradients, do not update
+            chunk.zero_grad_buffer()
+        losses.append(global_loss(run_schedule(t, iterators(), derived, cfg, forward_only=False),
+                                  info.device).item())
         for chunk in t.model:
             gpt = unwrap(chunk)
             for name, param in gpt.named_parameters():
-                parallel = getattr(param, "tensor_model_parallel", False)
-                out["params"].setdefault(global_name(gpt, name), []).append(
-                    (tp_rank, tp_size, param.partition_dim if parallel else None,
-                     param.partition_stride if parallel else 1, param.detach().float().clone()))
-        if want_logits and ps.get_pipeline_model_parallel_world_size() == 1:
+                # The distributed optimizer reduce-scatters: each DP rank holds only its shard of the grads.
+                if not cfg.parallel.dist_opt:
+                    grads.setdefault(global_name(gpt, name), []).append(tagged(param, param.main_grad))
+                params.setdefault(global_name(gpt, name), []).append(tagged(param, param))
+        out = {"losses": losses, "grads": grads, "params": params}
+        if want_logits and p.pp == 1:
             gpt = unwrap(t.model[0])
             gpt.eval()
             with torch.no_grad():
-                tokens = torch.stack([s["tokens"] for s in batch])
-                logits = gpt(tokens)  # [b, s, V_padded/tp]
+                logits = gpt(torch.stack([s["tokens"] for s in batch]))  # [b, s, V_padded/tp]
             out["logits"] = (tp_rank, tp_size, 2, 1, logits.float())
         return out
+    finally:
+        D.reset_model_parallel()
 
 
-def run_layout(overrides: list[str], world_size: int, weights: dict | None, batch: list[dict],
-               steps: int = 1, want_logits: bool = False, timeout: float = 240.0) -> dict:
-    """Loss per step, and the last step's full gradients, final full parameters (and logits)."""
-    results = run_distributed(_rank_step, world_size, (overrides, weights, batch, steps, want_logits),
-                              timeout=timeout)
+def _rank_steps(specs: list[tuple], batch: list[dict]) -> list:
+    """Every spec in turn in one process group (imports and the group are paid for once)."""
+    import traceback
+
+    from training import dist as D
+
+    results = []
+    try:
+        for overrides, weights, steps, want_logits in specs:
+            try:
+                results.append(_one_layout(overrides, weights, batch, steps, want_logits))
+            except Exception:  # noqa: BLE001 - reported for this spec, the others still run
+                results.append({"error": traceback.format_exc()})
+    finally:
+        D.teardown()
+    return results
+
+
+def _gather(per_rank: list[dict]) -> dict:
+    errors = [r["error"] for r in per_rank if "error" in r]
+    if errors:
+        raise AssertionError("layout failed:\n" + "\n".join(errors))
     grads: dict[str, list] = {}
     params: dict[str, list] = {}
-    for r in results:
+    for r in per_rank:
         for name, parts in r["grads"].items():
             grads.setdefault(name, []).extend(parts)
         for name, parts in r["params"].items():
             params.setdefault(name, []).extend(parts)
-    losses = [r["losses"] for r in results]
+    losses = [r["losses"] for r in per_rank]
     for other in losses[1:]:
         assert other == losses[0], f"ranks disagree on the loss: {losses}"
     rows = lambda name: VOCAB if "word_embeddings" in name or "output_layer" in name else None  # noqa: E731
     out = {"losses": losses[0],
            "grads": {n: assemble(parts, rows(n)) for n, parts in grads.items()},
            "params": {n: assemble(parts, rows(n)) for n, parts in params.items()}}
-    logits = {r["logits"][0]: r["logits"][4] for r in results if "logits" in r}  # by TP rank
+    logits = {r["logits"][0]: r["logits"][4] for r in per_rank if "logits" in r}  # by TP rank
     if logits:  # vocab-parallel shards side by side, padding dropped
         out["logits"] = torch.cat([logits[r] for r in sorted(logits)], dim=-1)[..., :VOCAB]
     return out
+
+
+def run_layouts(specs: list[tuple], world_size: int, batch: list[dict], timeout: float = 600.0) -> list:
+    """specs: (overrides, weights or None, steps, want_logits) run one after another in the same
+    `world_size` processes. For each: the loss per step, and the last step's full gradients, final
+    full parameters (and logits at PP=1); or the exception, raised when that result is used."""
+    per_rank = run_distributed(_rank_steps, world_size, (specs, batch), timeout=timeout)
+    results = []
+    for i in range(len(specs)):
+        try:
+            results.append(_gather([rank[i] for rank in per_rank]))
+        except AssertionError as err:
+            results.append(err)
+    return results
+
+
+def run_layout(overrides: list[str], world_size: int, weights: dict | None, batch: list[dict],
+               steps: int = 1, want_logits: bool = False, timeout: float = 300.0) -> dict:
+    (result,) = run_layouts([(overrides, weights, steps, want_logits)], world_size, batch, timeout)
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from layouts import make_batch, max_rel_diff, model_overrides, run_layout
+from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 
 
 def test_other_megatron_core_versions_are_refused_in_one_line():
@@ -123,33 +123,29 @@ OPTIMIZER_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def batch():
-    return make_batch(global_batch=4, seq=16)
+COMMON = ["model.num_layers=2", "optim.clip_grad=1.0", "optim.warmup_iters=0"]
 
 
 @pytest.fixture(scope="module")
-def step_references(batch):
-    cache = {}
-
-    def get(precision: str) -> dict:
-        if precision not in cache:
-            cache[precision] = run_layout(
-                model_overrides("model.num_layers=2", f"train.precision={precision}", "optim.clip_grad=1.0",
-                                "optim.warmup_iters=0"), 1, None, batch, steps=3)
-        return cache[precision]
-
-    return get
+def optimizer_runs():
+    """3 steps (2 updates) per case at DP=2 in one process group, and the 1-process references.
+    tp=1 everywhere: the same seed gives the same initial weights, nothing needs loading."""
+    batch = make_batch(global_batch=4, seq=16)
+    refs = dict(zip(("fp32", "bf16"), run_layouts(
+        [(model_overrides(*COMMON, f"train.precision={p}"), None, 3, False) for p in ("fp32", "bf16")], 1, batch)))
+    cases = dict(zip(OPTIMIZER_CASES, run_layouts(
+        [(model_overrides(*COMMON, *extra), None, 3, False) for extra, _ in OPTIMIZER_CASES.values()], 2, batch)))
+    return refs, cases
 
 
 @pytest.mark.parametrize("case", list(OPTIMIZER_CASES))
-def test_ddp_and_optimizer_match_one_process(case, batch, step_references):
+def test_ddp_and_optimizer_match_one_process(case, optimizer_runs):
+    refs, cases = optimizer_runs
     extra, tol = OPTIMIZER_CASES[case]
-    precision = "bf16" if "train.precision=bf16" in extra else "fp32"
-    ref = step_references(precision)
-    # tp=1 at both sizes: the same seed gives the same initial weights, no weights need loading.
-    out = run_layout(model_overrides("model.num_layers=2", "optim.clip_grad=1.0", "optim.warmup_iters=0",
-                                     *extra), 2, None, batch, steps=3)
+    ref, out = refs["bf16" if "train.precision=bf16" in extra else "fp32"], cases[case]
+    for result in (ref, out):
+        if isinstance(result, Exception):
+            raise result
     assert out["losses"] == pytest.approx(ref["losses"], rel=tol), (out["losses"], ref["losses"])
     assert out["losses"][2] < out["losses"][0], "the optimizer must actually train"
     for name, param in ref["params"].items():

@@ -10,7 +10,7 @@ The vocabulary (101) is not divisible by any tp used here: the padded rows must 
 
 import pytest
 
-from layouts import make_batch, max_rel_diff, run_layout, model_overrides
+from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 
 RTOL = 1e-5
 
@@ -45,22 +45,28 @@ BATCH = make_batch(global_batch=4, seq=16)
 
 
 @pytest.fixture(scope="module")
-def references():
-    cache = {}
-
-    def get(model: str) -> dict:
-        if model not in cache:
-            cache[model] = run_layout(model_overrides(*MODELS[model]), 1, None, BATCH, want_logits=True)
-        return cache[model]
-
-    return get
+def runs():
+    """The references (one process) and every case, each world size's cases in one process group."""
+    refs = dict(zip(MODELS, run_layouts([(model_overrides(*extra), None, 1, True) for extra in MODELS.values()],
+                                        1, BATCH)))
+    for model, ref in refs.items():
+        if isinstance(ref, Exception):
+            raise AssertionError(f"reference {model} failed") from ref
+    cases = {}
+    for world in sorted({world for _, _, world in CASES.values()}):
+        names = [name for name, (_, _, w) in CASES.items() if w == world]
+        specs = [(model_overrides(*MODELS[CASES[n][0]], *CASES[n][1]), refs[CASES[n][0]]["params"], 1, True)
+                 for n in names]
+        cases.update(zip(names, run_layouts(specs, world, BATCH)))
+    return refs, cases
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_layout_matches_single_process(case, references):
-    model, layout, world = CASES[case]
-    ref = references(model)
-    out = run_layout(model_overrides(*MODELS[model], *layout), world, ref["params"], BATCH, want_logits=True)
+def test_layout_matches_single_process(case, runs):
+    refs, cases = runs
+    ref, out = refs[CASES[case][0]], cases[case]
+    if isinstance(out, Exception):
+        raise out
 
     assert out["losses"][0] == pytest.approx(ref["losses"][0], rel=RTOL)
     if "logits" in ref and "logits" in out:

@@ -117,6 +117,15 @@ def teardown(clean: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def reset_model_parallel() -> None:
+    """Destroy Megatron-Core's groups but keep the process group, so the same processes can set up
+    another layout (tests and tools that compare layouts)."""
+    from megatron.core import parallel_state
+
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
 @contextlib.contextmanager
 def distributed(**kwargs):
     """`with distributed(tp=2) as info:` ... always torn down, also when the body raises."""
