@@ -35,3 +35,27 @@ def test_launch_train_sh_tp2_loss_falls_and_metrics_are_written(tmp_path):
     assert (run_dir / "config.yaml").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000030"
+
+
+def test_preprocess_then_train_on_your_own_text(tmp_path):
+    """tools/preprocess_data.py -> data.paths=[P] -> launch/train.sh trains with a falling loss."""
+    import sys
+
+    from training.data import embedded_documents
+
+    corpus = tmp_path / "corpus.txt"  # one document per line: real prose, as a user's corpus would be
+    corpus.write_text("\n".join(" ".join(doc.split()) for doc in embedded_documents()) + "\n")
+    prefix = tmp_path / "data" / "corpus"
+    proc = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
+                           str(prefix), "--tokenizer", "byte"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, NPROC="2", RUN_DIR=str(run_dir))
+    proc = subprocess.run(["launch/train.sh", f"data.paths=[{prefix}]", "data.tokenizer=byte", "train.iters=40",
+                           f"data.cache_dir={tmp_path / 'cache'}", "train.eval_interval=0", "checkpoint=none"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in train] == [10, 20, 30, 40]
+    assert train[-1]["loss"] < 0.9 * train[0]["loss"], [r["loss"] for r in train]

@@ -9,6 +9,7 @@ The vocabulary (101) is not divisible by any tp used here: the padded rows must 
 """
 
 import pytest
+import torch
 
 from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 
@@ -21,9 +22,11 @@ MODELS = {
     # MHA, GELU, LayerNorm, learned positions, biases, untied output layer
     "gpt2": ["model.num_query_groups=null", "model.activation=gelu", "model.normalization=LayerNorm",
              "model.position_embedding=learned", "model.add_bias_linear=true", "model.tie_embeddings=false"],
-    # hidden dropout on (attention dropout off: see test_dropout_rng_contract for why)
+    # hidden dropout on: replicated activations, masks from the default stream, identical on every TP rank
+    # and equal to one process's. Attention dropout: see test_attention_dropout_rng_contract.
     "dropout": ["model.hidden_dropout=0.2"],
 }
+ATTENTION_DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "parallel.tp=2"]
 
 # (model, layout overrides, processes)
 CASES = {
@@ -57,6 +60,10 @@ def runs():
         names = [name for name, (_, _, w) in CASES.items() if w == world]
         specs = [(model_overrides(*MODELS[CASES[n][0]], *CASES[n][1]), refs[CASES[n][0]]["params"], 1, True)
                  for n in names]
+        if world == 2:  # the attention-dropout pair rides along in the 2-process group
+            names += ["attn-dropout", "attn-dropout-recompute-full"]
+            specs += [(model_overrides(*ATTENTION_DROPOUT, *extra), refs["llama"]["params"], 1, False)
+                      for extra in ([], ["model.recompute=full"])]
         cases.update(zip(names, run_layouts(specs, world, BATCH)))
     return refs, cases
 
@@ -78,3 +85,19 @@ def test_layout_matches_single_process(case, runs):
     assert not bad, f"gradients differ from the single-process reference: {bad}"
     for name, grad in ref["grads"].items():
         assert grad.abs().max() > 0, f"reference gradient of {name} is zero: the comparison would be empty"
+
+
+def test_attention_dropout_rng_contract(runs):
+    """Attention dropout acts on TP-sharded heads, so (as in Megatron) its masks come from the RNG
+    tracker's TP-distinct stream: a TP layout cannot and should not reproduce one process's masks, so
+    it is not compared with the reference. What must hold: dropout is active (the loss moves), and
+    full recomputation replays every mask exactly (same loss and gradients, bit for bit)."""
+    refs, cases = runs
+    plain, recomputed = cases["attn-dropout"], cases["attn-dropout-recompute-full"]
+    for out in (plain, recomputed):
+        if isinstance(out, Exception):
+            raise out
+    assert plain["losses"] != refs["llama"]["losses"], "dropout must change the loss"
+    assert recomputed["losses"] == plain["losses"]
+    for name, grad in plain["grads"].items():
+        assert torch.equal(recomputed["grads"][name], grad), name
