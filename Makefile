@@ -1,6 +1,6 @@
 # make train   set up (first time) and train the embedded default (tiny GPT, 2 CPU processes or all GPUs)
 # make test    set up (first time) and run the test suite (CPU; GPU tests run when a GPU is present)
-# make setup   create .venv with the pinned versions (constraints.txt); re-run when pyproject changes
+# make setup   create .venv with the pinned versions (constraints.txt), the test and Hugging Face extras
 # Extra training overrides: make train ARGS="parallel.tp=2 train.iters=50"
 PYTHON_BIN ?= $(shell tools/find_python.sh)
 VENV := .venv
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -n "$(PYTHON_BIN)" || { echo "error: no Python >= 3.12 found: set PYTHON_BIN=/path/to/python3.12"; exit 1; }
 	$(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf]"
 	touch $(STAMP)
 
 train: setup

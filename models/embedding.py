@@ -38,3 +38,15 @@ class Embedding(MegatronModule):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return self.dropout(x)
         return self.dropout(x)
+
+
+# ---- Hugging Face interop (Llama family): this block's weights <-> HF's `model.embed_tokens` ------------------
+# `get` reads a tensor by name relative to the block, each side's names. Full (unsharded) tensors, vocab rows as
+# stored (models/gpt.py pads / unpads them). Llama has no learned positions.
+
+def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    return {"word_embeddings.weight": get("weight")}  # [V, h]
+
+
+def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    return {"weight": get("word_embeddings.weight")}

@@ -105,3 +105,52 @@ class GPT(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V_padded/tp]
         return self.compute_language_model_loss(labels, logits)  # [b, s]
+
+
+# ---- Hugging Face interop (Llama family): the whole GPT's weights <-> HF's LlamaForCausalLM names -------------
+# Walks the blocks (each declares its own mapping: models/embedding.py, layer.py -> attention.py, mlp.py, norm.py)
+# one layer at a time, so a converter can stream. `get` reads a full (unsharded) tensor by name, each side's
+# names; the GPT side is the full state of this config's layout, so vocab rows are padded to
+# padded_vocab_size(..., tp) with zeros on the way in and the padding is dropped on the way out.
+# lm_head exists only for untied embeddings; RoPE has no weights (Llama has no learned positions).
+
+def _hf_walk(config: TransformerConfig, options: GPTOptions):
+    """(our prefix, HF prefix, mapping module, holds vocab rows) for every block, in model order."""
+    from models import embedding, layer, norm
+
+    if options.position_embedding != "rope":
+        raise ValueError("Llama-style models use RoPE (model.position_embedding=rope), not learned positions")
+    yield "embedding.", "model.embed_tokens.", embedding, True
+    for i in range(config.num_layers):
+        yield f"decoder.layers.{i}.", f"model.layers.{i}.", layer, False
+    yield "decoder.final_layernorm.", "model.norm.", norm, False
+    if not options.tie_embeddings:
+        yield "output_layer.", "lm_head.", _OutputLayerHF, True
+
+
+class _OutputLayerHF:
+    """The output layer (defined in this file): our output_layer.weight [V, h] is HF's lm_head.weight."""
+
+    @staticmethod
+    def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        return {"weight": get("weight")}
+
+    to_hf = from_hf
+
+
+def from_hf(get, config: TransformerConfig, options: GPTOptions):
+    """Yields (our parameter name, full tensor) from HF tensors read with get(hf name)."""
+    rows = padded_vocab_size(options.vocab_size, options.make_vocab_size_divisible_by,
+                             config.tensor_model_parallel_size)
+    for ours, hf, block, vocab_rows in _hf_walk(config, options):
+        for name, tensor in block.from_hf(lambda n, hf=hf: get(hf + n), config).items():
+            if vocab_rows:  # [V, h] -> [V_padded, h], zero rows (their logits are masked anyway)
+                tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+            yield ours + name, tensor
+
+
+def to_hf(get, config: TransformerConfig, options: GPTOptions):
+    """Yields (HF name, full tensor) from our full tensors read with get(our parameter name)."""
+    for ours, hf, block, vocab_rows in _hf_walk(config, options):
+        for name, tensor in block.to_hf(lambda n, ours=ours: get(ours + n), config).items():
+            yield hf + name, tensor[: options.vocab_size] if vocab_rows else tensor

@@ -32,3 +32,26 @@ class TransformerLayer(MegatronModule):
     def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None):  # [s(/tp), b, h]
         x = self._residual(x, self.self_attention(self.input_layernorm(x), rotary_freqs))
         return self._residual(x, self.mlp(self.pre_mlp_layernorm(x)))
+
+
+# ---- Hugging Face interop (Llama family): this layer's weights <-> HF's `model.layers.<i>.*` -----------------
+# (our sub-block prefix, HF's, the module declaring that block's mapping); change a block here and there together.
+def _hf_blocks():
+    from models import attention, mlp, norm
+
+    return (("input_layernorm.", "input_layernorm.", norm), ("self_attention.", "self_attn.", attention),
+            ("pre_mlp_layernorm.", "post_attention_layernorm.", norm), ("mlp.", "mlp.", mlp))
+
+
+def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for ours, hf, block in _hf_blocks():
+        out.update({ours + k: v for k, v in block.from_hf(lambda n, hf=hf: get(hf + n), config).items()})
+    return out
+
+
+def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for ours, hf, block in _hf_blocks():
+        out.update({hf + k: v for k, v in block.to_hf(lambda n, ours=ours: get(ours + n), config).items()})
+    return out

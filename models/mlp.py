@@ -54,3 +54,29 @@ class MLP(MegatronModule):
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """The SiLU gate of SwiGLU (`gated_linear_unit=True` + this activation)."""
     return F.silu(x)
+
+
+# ---- Hugging Face interop (Llama family): this block's weights <-> HF's `mlp.{gate,up,down}_proj` -------------
+# Full (tp=1) fc1 is [gate; up] ([2*ffn, h], see the module docstring) = cat(HF gate_proj, HF up_proj); fc2 is
+# HF down_proj. Biases (HF mlp_bias) follow the same layout. `get` reads a tensor by name relative to the block.
+
+def _hf_kinds(config: TransformerConfig) -> tuple[str, ...]:
+    if not config.gated_linear_unit:
+        raise ValueError("a Llama-style MLP is gated (SwiGLU: model.activation=swiglu); this one is not")
+    return ("weight", "bias") if config.add_bias_linear else ("weight",)
+
+
+def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for kind in _hf_kinds(config):
+        out[f"linear_fc1.{kind}"] = torch.cat([get(f"gate_proj.{kind}"), get(f"up_proj.{kind}")], dim=0)
+        out[f"linear_fc2.{kind}"] = get(f"down_proj.{kind}")
+    return out
+
+
+def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for kind in _hf_kinds(config):
+        out[f"gate_proj.{kind}"], out[f"up_proj.{kind}"] = torch.chunk(get(f"linear_fc1.{kind}"), 2, dim=0)
+        out[f"down_proj.{kind}"] = get(f"linear_fc2.{kind}")
+    return out

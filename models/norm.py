@@ -31,3 +31,19 @@ class Norm(MegatronModule):
         if self.kind == "LayerNorm":
             return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
         return F.rms_norm(x, shape, self.weight, self.eps)
+
+
+# ---- Hugging Face interop (Llama family): this block's weights <-> HF's `*layernorm` / `norm` -------------
+# The same names on both sides ("weight", "bias" for LayerNorm; Llama's RMSNorm has no bias). `get` reads a
+# tensor by name relative to the block, each side's names; training/hf.py walks the model with these.
+
+def _hf_names(config: TransformerConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
+
+
+def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    return {name: get(name) for name in _hf_names(config)}
+
+
+def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    return {name: get(name) for name in _hf_names(config)}

@@ -224,3 +224,24 @@ def test_keep_prunes_old_checkpoints_and_latest_is_atomic(tmp_path):
     assert run["iteration"] == 6 and run["consumed_samples"] == 6 * 8
     assert run["versions"]["megatron-core"] == "0.19.2" and run["versions"]["torch"] == torch.__version__
     assert run["config"]["model"]["num_layers"] == 2 and run["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+
+
+def _save_weights_only(checkpoint_dir: str) -> None:
+    from training import checkpoint, dist as D
+    from training.build import build
+    from training.compose import compose
+
+    cfg = compose(QUICK + [f"checkpoint.dir={checkpoint_dir}"])
+    with D.distributed(timeout_minutes=2) as info:
+        t = build(cfg, 257, info.device, train=False)  # bare model: what conversions save
+        checkpoint.save(cfg, t, iteration=0, consumed_samples=0, model_only=True)
+
+
+def test_weights_only_checkpoint_loads_only_as_a_finetune(tmp_path):
+    run_distributed(_save_weights_only, 1, (str(tmp_path / "weights"),), timeout=120)
+    assert json.loads((tmp_path / "weights" / "iter_0000000" / "run.json").read_text())["weights_only"] is True
+    (refused,) = run_distributed(_load_only, 1, ([f"checkpoint.load={tmp_path / 'weights'}"],), timeout=120)
+    assert "holds weights only" in refused and "checkpoint.finetune=true" in refused
+    (loaded,) = run_distributed(_load_only, 1, ([f"checkpoint.load={tmp_path / 'weights'}",
+                                                 "checkpoint.finetune=true"],), timeout=120)
+    assert loaded == "loaded iteration 0"

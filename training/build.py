@@ -24,9 +24,9 @@ from training.config import Config
 
 @dataclass
 class Trainable:
-    model: list  # DDP-wrapped chunks, one per virtual pipeline stage
-    optimizer: object  # Megatron-Core MegatronOptimizer (or ChainedOptimizer)
-    scheduler: OptimizerParamScheduler
+    model: list  # DDP-wrapped chunks, one per virtual pipeline stage (bare chunks when train=False)
+    optimizer: object  # Megatron-Core MegatronOptimizer (or ChainedOptimizer); None when train=False
+    scheduler: OptimizerParamScheduler | None
     config: TransformerConfig
 
 
@@ -57,9 +57,16 @@ def wrap_ddp(chunks: list, config: TransformerConfig, cfg: Config) -> list:
             for index, chunk in enumerate(chunks)]
 
 
-def build(cfg: Config, vocab_size: int, device: torch.device) -> Trainable:
+def build(cfg: Config, vocab_size: int, device: torch.device, *, init: bool = True, train: bool = True,
+          make_chunks=build_chunks) -> Trainable:
+    """init=False skips the random init (every weight will be loaded: conversions); train=False returns
+    the bare chunks without DDP's gradient buffers, optimizer or scheduler (inference, conversion);
+    make_chunks builds another model the same way (tools/bench.py: Megatron-Core's GPTModel)."""
     config = bridge.transformer_config(cfg)
-    chunks = build_chunks(config, bridge.gpt_options(cfg, vocab_size), cfg.parallel.vpp, device)
+    config.perform_initialization = init
+    chunks = make_chunks(config, bridge.gpt_options(cfg, vocab_size), cfg.parallel.vpp, device)
+    if not train:
+        return Trainable(model=chunks, optimizer=None, scheduler=None, config=config)
     model = wrap_ddp(chunks, config, cfg)
     optimizer = get_megatron_optimizer(bridge.optimizer_config(cfg), model)
     scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))
@@ -80,7 +87,7 @@ def build(cfg: Config, vocab_size: int, device: torch.device) -> Trainable:
 
 
 def unwrap(module: torch.nn.Module) -> GPT:
-    """DDP(Float16Module(GPT)) -> GPT."""
+    """DDP(Float16Module(GPT)) -> GPT (any of the wrappers may be absent)."""
     while not isinstance(module, GPT):
         module = module.module
     return module

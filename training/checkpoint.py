@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.distributed import DistributedDataParallel
 
 from training import upstream_fixes
 from training.build import unwrap as _unwrap
@@ -127,10 +128,15 @@ def model_keys(t) -> list[str]:
     return ["model"] if len(t.model) == 1 else [f"model{i}" for i in range(len(t.model))]
 
 
+def _sharded_module(chunk):
+    """DDP does not forward sharded_state_dict: ask the module it wraps (GPT or its Float16Module)."""
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
 def state_dict(cfg: Config, t, is_loading: bool, with_rng: bool = True, model_only: bool = False) -> dict:
     meta = sharded_metadata(cfg)
-    # DDP(chunk).module is the GPT (or its Float16Module), which knows its sharded state dict
-    state = {key: chunk.module.sharded_state_dict(metadata=meta) for key, chunk in zip(model_keys(t), t.model)}
+    state = {key: _sharded_module(chunk).sharded_state_dict(metadata=meta)
+             for key, chunk in zip(model_keys(t), t.model)}
     if model_only:
         return state
     upstream_fixes.before_optimizer_state_dict(t.optimizer)
@@ -147,7 +153,9 @@ def state_dict(cfg: Config, t, is_loading: bool, with_rng: bool = True, model_on
 
 
 def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | Path | None = None,
-         train_samples: int | None = None) -> Path:
+         train_samples: int | None = None, model_only: bool = False) -> Path:
+    """Save a checkpoint (every rank calls this); model_only: the weights alone (conversions), which
+    only checkpoint.finetune=true loads."""
     root = Path(cfg.checkpoint.dir)
     path = iter_dir(root, iteration)
     rank0 = dist.get_rank() == 0
@@ -156,7 +164,7 @@ def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | P
             shutil.rmtree(path)
         path.mkdir(parents=True)
     dist.barrier()
-    state = state_dict(cfg, t, is_loading=False)
+    state = state_dict(cfg, t, is_loading=False, with_rng=not model_only, model_only=model_only)
     state["iteration"], state["consumed_samples"] = iteration, consumed_samples
     dist_checkpointing.save(state, str(path), verify_integrity=True)
     dist.barrier()  # every rank's shards are on disk
@@ -164,7 +172,7 @@ def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | P
         from omegaconf import OmegaConf
 
         run = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(),
-               "train_samples": train_samples,
+               "train_samples": train_samples, "weights_only": model_only,
                "vocab_size": _unwrap(t.model[0]).vocab_size,
                "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "versions": _versions(),
                "run_dir": str(run_dir) if run_dir else None}
@@ -205,15 +213,16 @@ def resolve_load_path(cfg: Config) -> tuple[Path | None, bool]:
     if cfg.checkpoint.dir is not None:
         own = newest_complete(Path(cfg.checkpoint.dir))
     if cfg.checkpoint.finetune:
-        return (own, False) if own is not None else (_explicit(spec), True)
+        return (own, False) if own is not None else (resolve_path(spec), True)
     if spec is None:
         return None, False
     if spec == "auto":
         return own, False
-    return _explicit(spec), False
+    return resolve_path(spec), False
 
 
-def _explicit(spec: str) -> Path:
+def resolve_path(spec: str | Path) -> Path:
+    """A checkpoint path: an iter_* directory, or a checkpoint.dir (its `latest`); must be complete."""
     path = Path(spec)
     if (path / LATEST).is_file():
         path = path / (path / LATEST).read_text().strip()
@@ -250,6 +259,9 @@ def maybe_load(cfg: Config, t) -> Start:
         return Start()
     run = json.loads((path / RUN_FILE).read_text())
     check_compatible(cfg, run, _unwrap(t.model[0]).vocab_size)
+    if not weights_only and run.get("weights_only"):
+        raise CheckpointError(f"checkpoint {path} holds weights only (an import or conversion): load it with "
+                              f"checkpoint.finetune=true")
     if not weights_only:
         check_same_optimizer(cfg, run, path)
     same_layout = {k: run["layout"][k] for k in ("tp", "pp")} == {k: _layout()[k] for k in ("tp", "pp")}
@@ -264,7 +276,8 @@ def maybe_load(cfg: Config, t) -> Start:
     for key, chunk in zip(model_keys(t), t.model):
         chunk.load_state_dict(loaded[key], strict=True)
     if weights_only:
-        t.optimizer.reload_model_params()  # fp32 main params (bf16, distributed optimizer) follow
+        if t.optimizer is not None:
+            t.optimizer.reload_model_params()  # fp32 main params (bf16, distributed optimizer) follow
         print0(f"fine-tuning from the weights of {path} (fresh optimizer, schedule and data order)")
         return Start()
     t.optimizer.load_state_dict(loaded["optimizer"])

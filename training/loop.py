@@ -9,6 +9,7 @@ batch's token count); the loss is reduced to the global-batch token mean, checke
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 from pathlib import Path
@@ -68,19 +69,21 @@ def global_loss(reports: list[dict], device: torch.device) -> torch.Tensor:
     return total[0] / total[1].clamp(min=1)
 
 
-def run_schedule(t, iterators, derived: Derived, cfg: Config, forward_only: bool) -> list[dict]:
+def run_schedule(t, iterators, derived: Derived, cfg: Config, forward_only: bool,
+                 step=forward_step) -> list[dict]:
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterators, model=t.model,
+        forward_step_func=step, data_iterator=iterators, model=t.model,
         num_microbatches=derived.num_microbatches, seq_length=cfg.model.seq_length,
         micro_batch_size=cfg.train.micro_batch_size, forward_only=forward_only)
 
 
-def train_step(t, iterators, derived: Derived, cfg: Config, device) -> tuple[float, float | None, bool]:
+def train_step(t, iterators, derived: Derived, cfg: Config, device,
+               step=forward_step) -> tuple[float, float | None, bool]:
     for chunk in t.model:
         chunk.zero_grad_buffer()
     t.optimizer.zero_grad()
-    loss = global_loss(run_schedule(t, iterators, derived, cfg, forward_only=False), device).item()
-    if not torch.isfinite(torch.tensor(loss)):
+    loss = global_loss(run_schedule(t, iterators, derived, cfg, forward_only=False, step=step), device).item()
+    if not math.isfinite(loss):
         if cfg.train.nan_policy == "stop":
             raise NonFiniteLoss(f"loss is {loss} at this step: stopping (train.nan_policy=stop); the last "
                                 f"checkpoint is intact. Lower optim.lr or set train.nan_policy=skip")

@@ -1,0 +1,128 @@
+"""tools/bench.py times equal work: Megatron-Core's GPTModel, built at our config and layout with our
+weights copied in, computes the same loss as our GPT, and after one optimizer step (same gradients,
+same update) the same loss again (fp32, relative difference <= 1e-5). Both go through the engine's
+own build() and train_step(), as the benchmark runs them. The tool itself runs end to end, and our
+faster RoPE is bit-identical to Megatron-Core's. GPU tier: the same comparison in bf16, against
+Megatron-Core's local spec and (when Transformer Engine is installed) its TE spec.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+RTOL = 1e-5
+VOCAB = 102  # a multiple of tp=2 with make_vocab_size_divisible_by=1: no padded (masked) rows
+
+BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=96",
+        "model.seq_length=16", f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=1",
+        "train.micro_batch_size=2", "train.global_batch_size=4", "checkpoint=none", "train.tensorboard=false",
+        "optim.warmup_iters=0", "parallel.tp=2"]
+MODELS = {
+    # GQA (4 heads / 2 groups), SwiGLU, RMSNorm, RoPE, tied embeddings, no biases
+    "llama": ["model.num_query_groups=2"],
+    # MHA, GELU, LayerNorm, learned positions, biases, untied output layer
+    "gpt2": ["model.num_query_groups=null", "model.activation=gelu", "model.normalization=LayerNorm",
+             "model.position_embedding=learned", "model.add_bias_linear=true", "model.tie_embeddings=false"],
+}
+
+
+def _both_models(models: dict) -> dict:
+    """Per model variant: [(loss, grad norm)] of two train_steps, for ours and for Megatron-Core's."""
+    from training import benchmark as bm, dist as D
+    from training.build import build
+    from training.compose import compose
+    from training.loop import train_step
+    from training.validate import validate
+
+    out = {}
+    with D.distributed(tp=2, timeout_minutes=2) as info:  # one process group for every variant
+        for name, overrides in models.items():
+            cfg = compose(BASE + overrides)
+            derived = validate(cfg)
+            ours = build(cfg, VOCAB, info.device)
+            mcore = bm.build_mcore(cfg, VOCAB, info.device)
+            bm.copy_weights(ours, mcore)
+            batch = bm.synthetic_batch(cfg, VOCAB)
+            ours_iters, mcore_iters = bm.batch_iterators(ours, batch, cfg, derived), \
+                bm.batch_iterators(mcore, batch, cfg, derived)
+            mine = [train_step(ours, ours_iters(), derived, cfg, info.device)[:2] for _ in range(2)]
+            theirs = [train_step(mcore, mcore_iters(), derived, cfg, info.device, step=bm.mcore_forward_step)[:2]
+                      for _ in range(2)]
+            out[name] = {"ours": mine, "mcore": theirs}
+    return out
+
+
+def test_mcore_gptmodel_computes_the_same_loss_and_update_from_the_same_weights():
+    results = run_distributed(_both_models, world_size=2, args=(MODELS,), timeout=120)
+    assert results[0] == results[1], "TP ranks disagree"
+    for name, r in results[0].items():
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(r["ours"], r["mcore"])):
+            assert loss == pytest.approx(ref_loss, rel=RTOL), (name, step, r)
+            assert float(norm) == pytest.approx(float(ref_norm), rel=RTOL), (name, step, r)
+        assert r["ours"][1][0] != r["ours"][0][0], "the second step must see updated weights"
+
+
+def test_bench_tool_smoke_compare_json():
+    proc = subprocess.run(
+        [sys.executable, "tools/bench.py", "--compare-mcore", "--json", "--breakdown", "--threads", "1",
+         "--warmup", "1", "--steps", "1", "--windows", "2", "model.num_layers=2", "model.seq_length=32",
+         "train.micro_batch_size=2", "train.global_batch_size=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"ours_s", "mcore_s", "ratio", "tokens_per_s", "tflops_per_device", "mfu", "mem_gb"} <= set(result)
+    assert result["ours_s"] > 0 and result["mcore_s"] > 0 and result["ratio"] > 0
+    assert len(result["window_ratios"]) == 2
+    assert result["vocab"] == result["padded_vocab"] == 384  # byte vocabulary 257, padded for both models
+    assert result["loss_rel_diff"] <= RTOL
+    assert result["mfu"] is None  # no known peak on CPU
+    shares = [v for k, v in result["breakdown"].items() if k.endswith("_share")]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-6) and all(s > -1e-3 for s in shares)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rope_is_bit_identical_to_megatron_core(dtype):
+    import torch
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from models.attention import ApplyRope
+
+    dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    angles = torch.outer(torch.arange(48).float(), inv_freq)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [s, 1, 1, hn], as RotaryEmbedding makes it
+    qkv = torch.randn(48, 3, 2, 4 * 64, generator=g).to(dtype).requires_grad_()
+    q = qkv[..., :128].reshape(48, 3, 4, 64)  # a strided view, as SelfAttention's q
+    grad = torch.randn(48, 3, 4, 64, generator=g).to(dtype)
+    ref = _apply_rotary_pos_emb_bshd(q, freqs)
+    ours = ApplyRope.apply(q, torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
+    assert torch.equal(ours, ref)
+    assert torch.equal(torch.autograd.grad(ours, qkv, grad)[0], torch.autograd.grad(ref, qkv, grad)[0])
+
+
+BF16_RTOL = 1e-2  # two implementations of the same bf16 model: rounding differs op by op
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["local", "te"])
+def test_gpu_bf16_same_loss_as_mcore_and_timings(spec):
+    if spec == "te" and importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("Transformer Engine is not installed")
+    proc = subprocess.run(
+        [sys.executable, "tools/bench.py", "--compare-mcore", "--json", "--warmup", "2", "--steps", "3",
+         "--windows", "2", "train.precision=bf16", "model.hidden_size=256", "model.ffn_hidden_size=704",
+         "model.seq_length=256"] + (["--te"] if spec == "te" else []),
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["loss_rel_diff"] <= BF16_RTOL, result
+    assert result["ours_s"] > 0 and result["mcore_s"] > 0 and result["mem_gb"] > 0
+    assert result["mcore_mem_gb"] is not None

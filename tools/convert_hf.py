@@ -1,0 +1,214 @@
+"""Hugging Face <-> template checkpoints (Llama family: GQA, RoPE theta, RMSNorm eps, tied or untied embeddings).
+
+    python tools/convert_hf.py import --hf-dir ~/hf/Llama-2-7b-hf --out ckpts/llama2 --name llama2_hf --check
+    NPROC=8 launch/train.sh model=llama2_hf parallel.tp=4 checkpoint.load=ckpts/llama2 checkpoint.finetune=true
+    python tools/convert_hf.py export --ckpt outputs/<run>/checkpoints --out ~/hf/llama2-tuned --check \
+        --tokenizer-dir ~/hf/Llama-2-7b-hf
+
+import: reads config.json + model.safetensors (or shards + model.safetensors.index.json), derives the model
+config from config.json, writes it as a preset (conf/model/<name>.yaml, or --preset-out) and a template
+checkpoint (<out>/iter_0000000 + <out>/latest, the model config in its run.json) that train.py loads at any
+tp / pp / dp layout. Extra arguments are Hydra overrides of everything but the model's shape (e.g.
+model.seq_length=1024 trains shorter sequences than max_position_embeddings; train.precision=bf16 stores bf16
+weights: half the disk, not less memory, and a looser check).
+export: loads a template checkpoint (saved at any layout: dist_checkpointing reshards) in one process and
+writes config.json (LlamaConfig, derived from its run.json) + model.safetensors (shards above --max-shard-gb)
+that transformers.AutoModelForCausalLM.from_pretrained loads; --tokenizer-dir copies the tokenizer along.
+--check (both): run our model and transformers' on the same token ids, print the max |logit diff| and the same
+relative to max |logit|; exit 1 when the relative one exceeds --tolerance (fp32 1e-4, bf16 5e-2).
+
+Memory: one process holds the bare model (built without gradient buffers or optimizer): 4 bytes/param at
+fp32 (7B: ~28 GB), 2 at bf16, plus the safetensors being read (memory-mapped: page cache); --check adds the
+transformers model (4 bytes/param at fp32).
+Random init is skipped (every weight is loaded). Import at fp32 (exact --check) and train with
+train.precision=bf16: the fp32 checkpoint loads into a bf16 run. Exit codes: 0 ok, 1 the check failed, 2 an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.errors import TemplateError  # noqa: E402
+from training.noise import quiet_known_noise  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+# model fields that config.json fixes; other model.* fields (seq_length, name, recompute, ...) may be overridden
+DERIVED_ONLY = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "kv_channels", "vocab_size", "position_embedding", "rotary_base", "normalization",
+                "norm_epsilon", "activation", "add_bias_linear", "tie_embeddings")
+
+
+def single_process_env() -> None:
+    """A world of one on a free local port (unless started by torchrun)."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def empty_dir(path: Path, what: str) -> Path:
+    if path.exists() and any(path.iterdir()):
+        raise TemplateError(f"{what} {path} is not empty: choose a new directory (nothing is overwritten)")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def check(t, vocab_size: int, seq_length: int, hf_dir: Path, precision: str, tolerance: float | None) -> bool:
+    """Our logits vs transformers' on the same tokens; prints both differences, True when within tolerance."""
+    from training import hf
+    from training.dist import current_device
+
+    tokens = hf.check_tokens(vocab_size, seq_length)
+    ours = hf.full_logits(t, tokens.to(current_device()), vocab_size).cpu()
+    reference = hf.reference_logits(hf_dir, tokens)
+    worst, relative = hf.logits_diff(ours, reference)
+    limit = tolerance if tolerance is not None else hf.BF16_TOLERANCE if precision == "bf16" else hf.FP32_TOLERANCE
+    ok = relative <= limit
+    print(f"logits check ({tuple(tokens.shape)} tokens, {precision}): max |diff| {worst:.3e}, relative to max "
+          f"|logit| {reference.abs().max().item():.3f}: {relative:.3e} (tolerance {limit:g}) -> "
+          f"{'ok' if ok else 'FAILED'}", flush=True)
+    return ok
+
+
+def do_import(args, overrides: list[str]) -> bool:
+    from omegaconf import OmegaConf
+
+    from training import checkpoint, dist as D, hf
+    from training.build import build
+    from training.compose import compose
+    from training.config import ParallelConfig
+    from training.validate import validate
+
+    hf_dir = Path(args.hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise TemplateError(f"{hf_dir} has no config.json: point --hf-dir at a downloaded Hugging Face model")
+    fields = hf.model_fields(json.loads((hf_dir / "config.json").read_text()))
+    overridden = {o.split("=")[0].lstrip("+~") for o in overrides}
+    fixed = sorted(f"model.{k}" for k in DERIVED_ONLY if f"model.{k}" in overridden)
+    if fixed or any(k.startswith("parallel.") for k in overridden):
+        raise TemplateError(f"not overridable on import: {fixed or 'parallel.*'} (the shape comes from "
+                            f"config.json; import runs in one process; train at any layout afterwards)")
+    cfg = compose(overrides)
+    fields["name"] = args.name or (Path(args.preset_out).stem if args.preset_out else
+                                   re.sub(r"[^a-z0-9_]+", "_", hf_dir.resolve().name.lower()).strip("_") or "hf")
+    for key, value in fields.items():
+        if f"model.{key}" not in overridden:
+            setattr(cfg.model, key, value)
+    cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)
+    cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = str(Path(args.out).resolve()), None, False
+    validate(cfg, world_size=1)
+    preset = Path(args.preset_out) if args.preset_out else ROOT / "conf" / "model" / f"{cfg.model.name}.yaml"
+    if preset.exists() and not args.force:
+        raise TemplateError(f"preset {preset} exists: pass another --preset-out (or --name), or --force")
+    empty_dir(Path(cfg.checkpoint.dir), "--out")
+    start = time.perf_counter()
+    with D.distributed(tp=1, pp=1, seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes) as info:
+        t = build(cfg, cfg.model.vocab_size, info.device, init=False, train=False)  # every weight is loaded
+        weights = hf.HFWeights(hf_dir)
+        count = hf.load_hf_weights(t, weights)
+        if unread := weights.unread(tied=cfg.model.tie_embeddings):
+            raise hf.HFError(f"tensors our Llama-style GPT has no place for (another architecture?): {unread[:8]}")
+        checkpoint.save(cfg, t, iteration=0, consumed_samples=0, model_only=True)
+        preset.parent.mkdir(parents=True, exist_ok=True)
+        preset.write_text(f"# {cfg.model.name}: imported from {hf_dir.resolve()} by tools/convert_hf.py (derived from "
+                          f"its config.json;\n# the shape fields must match the checkpoint's weights).\n"
+                          + OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
+        select = f"model={preset.stem}" + ("" if preset.parent == ROOT / "conf" / "model" else
+                                           f" 'hydra.searchpath=[file://{preset.parent.parent.resolve()}]'")
+        print(f"imported {count / 1e6:.2f}M parameters in {time.perf_counter() - start:.1f} s: checkpoint "
+              f"{cfg.checkpoint.dir}, preset {preset}\ntrain it with: {select} checkpoint.load={cfg.checkpoint.dir} "
+              f"checkpoint.finetune=true", flush=True)
+        return not args.check or check(t, cfg.model.vocab_size, cfg.model.seq_length, hf_dir,
+                                       cfg.train.precision, args.tolerance)
+
+
+def do_export(args) -> bool:
+    from training import checkpoint, dist as D, hf
+    from training.build import build
+    from training.config import ParallelConfig, to_config
+
+    path = checkpoint.resolve_path(args.ckpt)
+    run = json.loads((path / checkpoint.RUN_FILE).read_text())
+    cfg = to_config(run["config"])
+    cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)  # tp1 pp1: load reshards
+    cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = None, str(path), True  # weights only
+    hf_config = hf.llama_config(run["config"]["model"], run["vocab_size"], cfg.train.precision)
+    source = Path(args.tokenizer_dir) / "config.json" if args.tokenizer_dir else None
+    if source is not None and source.is_file():  # the tokenizer's special token ids
+        for key, value in json.loads(source.read_text()).items():
+            if key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                setattr(hf_config, key, value)
+    out = empty_dir(Path(args.out), "--out")
+    start = time.perf_counter()
+    with D.distributed(tp=1, pp=1, seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes) as info:
+        t = build(cfg, run["vocab_size"], info.device, init=False, train=False)
+        checkpoint.maybe_load(cfg, t)
+        hf_config.save_pretrained(str(out))
+        size = hf.write_safetensors(hf.hf_tensors(t), out, int(args.max_shard_gb * 2**30))
+        for name in TOKENIZER_FILES if args.tokenizer_dir else ():
+            if (Path(args.tokenizer_dir) / name).is_file():
+                shutil.copy(Path(args.tokenizer_dir) / name, out / name)
+        print(f"exported {path} (saved at tp/pp {run['layout']['tp']}/{run['layout']['pp']}, iteration "
+              f"{run['iteration']}) to {out}: {size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s",
+              flush=True)
+        return not args.check or check(t, run["vocab_size"], cfg.model.seq_length, out, cfg.train.precision,
+                                       args.tolerance)
+
+
+def parse(argv: list[str]):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face directory -> template checkpoint + model preset")
+    imp.add_argument("--hf-dir", required=True, help="local directory with config.json and *.safetensors")
+    imp.add_argument("--out", required=True, help="checkpoint directory to create (checkpoint.load=...)")
+    imp.add_argument("--name", help="preset name (model=NAME); default: the directory's name")
+    imp.add_argument("--preset-out", help="preset YAML path; default conf/model/<name>.yaml")
+    imp.add_argument("--force", action="store_true", help="overwrite an existing preset file")
+    exp = sub.add_parser("export", help="template checkpoint -> Hugging Face directory")
+    exp.add_argument("--ckpt", required=True, help="a checkpoint directory (with `latest`) or an iter_* directory")
+    exp.add_argument("--out", required=True, help="directory to create (from_pretrained(...))")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (Hub's default)")
+    exp.add_argument("--tokenizer-dir", help="copy tokenizer files (and config.json's bos/eos/pad ids) from here, "
+                                             "e.g. the imported HF directory")
+    for p in (imp, exp):
+        p.add_argument("--check", action="store_true", help="compare logits with transformers' (exit 1 if off)")
+        p.add_argument("--tolerance", type=float, help="max relative logits diff (fp32 1e-4, bf16 5e-2)")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse(argv)
+    if args.command == "export" and overrides:
+        print(f"error: export takes no overrides (the checkpoint's run.json defines the model): {overrides}",
+              file=sys.stderr)
+        return 2
+    quiet_known_noise()
+    single_process_env()
+    try:
+        ok = do_import(args, overrides) if args.command == "import" else do_export(args)
+    except TemplateError as err:
+        print("\n".join(f"error: {line}" for line in str(err).splitlines()), file=sys.stderr, flush=True)
+        return 2
+    except ImportError as err:
+        if err.name not in ("transformers", "safetensors"):
+            raise
+        print(f"error: {err}: install the Hugging Face extra: pip install -e '.[hf]'", file=sys.stderr, flush=True)
+        return 2
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing's save re-imports __main__
+    sys.exit(main(sys.argv[1:]))
