@@ -22,7 +22,7 @@ train: setup
 	launch/train.sh $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 clean:
 	rm -rf $(VENV) .cache outputs
