@@ -169,19 +169,28 @@ def test_sigkill_during_a_save_leaves_latest_loadable(tmp_path):
     assert list(resumed) == [iteration + 1]
 
 
-def _load_only(overrides: list[str]) -> str:
+def _load_each(override_sets: list[list[str]], save_weights_to: str | None = None) -> list[str]:
+    """In one process: optionally save a bare model's weights (what conversions write), then for each
+    override set build the model and load per its checkpoint settings; 'loaded iteration N' or the error."""
     from training import checkpoint, dist as D
     from training.build import build
     from training.compose import compose
     from training.errors import TemplateError
 
-    cfg = compose(QUICK + overrides)
+    results = []
     with D.distributed(timeout_minutes=2) as info:
-        t = build(cfg, 257, info.device)
-        try:
-            return f"loaded iteration {checkpoint.maybe_load(cfg, t).iteration}"
-        except TemplateError as err:
-            return f"error: {err}"
+        if save_weights_to is not None:
+            cfg = compose(QUICK + [f"checkpoint.dir={save_weights_to}"])
+            checkpoint.save(cfg, build(cfg, 257, info.device, train=False), iteration=0, consumed_samples=0,
+                            model_only=True)
+        for overrides in override_sets:
+            cfg = compose(QUICK + overrides)
+            t = build(cfg, 257, info.device)
+            try:
+                results.append(f"loaded iteration {checkpoint.maybe_load(cfg, t).iteration}")
+            except TemplateError as err:
+                results.append(f"error: {err}")
+    return results
 
 
 def test_partial_corrupt_and_mismatched_checkpoints(tmp_path):
@@ -189,29 +198,26 @@ def test_partial_corrupt_and_mismatched_checkpoints(tmp_path):
     train(["train.iters=4", "train.save_interval=2", "checkpoint.keep=0"], 1, tmp_path / "run")
     assert sorted(p.name for p in ckpts.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
 
-    # A save that died before finishing: auto skips it and takes the newest complete one.
+    # A save that died before finishing: auto skips it and takes the newest complete one; loading it
+    # explicitly names it.
     (ckpts / "iter_0000006").mkdir()
     (ckpts / "iter_0000006" / "__0_0.distcp").write_bytes(b"partial")
-    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.dir={ckpts}", "checkpoint.load=auto"],), timeout=120)
-    assert result == "loaded iteration 4"
-    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.load={ckpts}/iter_0000006"],), timeout=120)
-    assert result.startswith("error: checkpoint") and "iter_0000006 is incomplete" in result
+    (results,) = run_distributed(_load_each, 1, ([[f"checkpoint.dir={ckpts}", "checkpoint.load=auto"],
+                                                  [f"checkpoint.load={ckpts}/iter_0000006"]],), timeout=180)
+    assert results[0] == "loaded iteration 4"
+    assert results[1].startswith("error: checkpoint") and "iter_0000006 is incomplete" in results[1]
 
-    # A corrupted shard: the integrity check names the checkpoint.
     shard = next((ckpts / "iter_0000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-64] + b"\0" * 64)
-    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.load={ckpts}/iter_0000004"],), timeout=120)
-    assert result.startswith(f"error: cannot load checkpoint {ckpts}/iter_0000004")
-
-    # A model of another shape: refused, naming every differing field.
-    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.load={ckpts}/iter_0000002", "model.hidden_size=64",
-                                                 "model.ffn_hidden_size=176"],), timeout=120)
-    assert "hidden_size: checkpoint 128 vs config 64" in result and "ffn_hidden_size: checkpoint 352 vs config 176" in result
-
-    # Another optimizer type: refused with what to do instead.
-    (result,) = run_distributed(_load_only, 1, ([f"checkpoint.load={ckpts}/iter_0000002", "parallel.dist_opt=true"],),
-                                timeout=120)
-    assert "saved with parallel.dist_opt=false but this run has parallel.dist_opt=true" in result
+    (results,) = run_distributed(_load_each, 1, ([
+        [f"checkpoint.load={ckpts}/iter_0000004"],  # a corrupted shard
+        [f"checkpoint.load={ckpts}/iter_0000002", "model.hidden_size=64", "model.ffn_hidden_size=176"],
+        [f"checkpoint.load={ckpts}/iter_0000002", "parallel.dist_opt=true"],  # another optimizer type
+    ],), timeout=180)
+    assert results[0].startswith(f"error: cannot load checkpoint {ckpts}/iter_0000004")  # the integrity check
+    assert "hidden_size: checkpoint 128 vs config 64" in results[1]  # every differing field is named
+    assert "ffn_hidden_size: checkpoint 352 vs config 176" in results[1]
+    assert "saved with parallel.dist_opt=false but this run has parallel.dist_opt=true" in results[2]
 
 
 def test_keep_prunes_old_checkpoints_and_latest_is_atomic(tmp_path):
@@ -226,22 +232,11 @@ def test_keep_prunes_old_checkpoints_and_latest_is_atomic(tmp_path):
     assert run["config"]["model"]["num_layers"] == 2 and run["layout"] == {"tp": 1, "pp": 1, "dp": 1}
 
 
-def _save_weights_only(checkpoint_dir: str) -> None:
-    from training import checkpoint, dist as D
-    from training.build import build
-    from training.compose import compose
-
-    cfg = compose(QUICK + [f"checkpoint.dir={checkpoint_dir}"])
-    with D.distributed(timeout_minutes=2) as info:
-        t = build(cfg, 257, info.device, train=False)  # bare model: what conversions save
-        checkpoint.save(cfg, t, iteration=0, consumed_samples=0, model_only=True)
-
-
 def test_weights_only_checkpoint_loads_only_as_a_finetune(tmp_path):
-    run_distributed(_save_weights_only, 1, (str(tmp_path / "weights"),), timeout=120)
-    assert json.loads((tmp_path / "weights" / "iter_0000000" / "run.json").read_text())["weights_only"] is True
-    (refused,) = run_distributed(_load_only, 1, ([f"checkpoint.load={tmp_path / 'weights'}"],), timeout=120)
+    weights = tmp_path / "weights"
+    (refused, loaded), = run_distributed(_load_each, 1, ([[f"checkpoint.load={weights}"],
+                                                          [f"checkpoint.load={weights}", "checkpoint.finetune=true"]],
+                                                         str(weights)), timeout=180)
+    assert json.loads((weights / "iter_0000000" / "run.json").read_text())["weights_only"] is True
     assert "holds weights only" in refused and "checkpoint.finetune=true" in refused
-    (loaded,) = run_distributed(_load_only, 1, ([f"checkpoint.load={tmp_path / 'weights'}",
-                                                 "checkpoint.finetune=true"],), timeout=120)
     assert loaded == "loaded iteration 0"

@@ -2,8 +2,8 @@
 (training.build.build, training.loop.train_step / run_schedule) on a fixed synthetic global batch, and
 Megatron-Core's own GPTModel at the same config, layout and weights, wrapped and stepped the same way.
 
-Megatron-Core's GPTModel goes through the very same code as ours: `build(make_chunks=...)` with a chunk
-builder that makes GPTModel chunks (same TransformerConfig from training.bridge, Float16Module for bf16,
+Megatron-Core's GPTModel goes through the very same code as ours: `build(make_model=...)` with a maker
+of GPTModel chunks (same TransformerConfig from training.bridge, Float16Module for bf16,
 DDP, optimizer, scheduler and schedule hooks), and `train_step(step=...)` with a forward step that passes
 GPTModel's arguments (input_ids, position_ids, attention_mask, labels=).
 """
@@ -81,37 +81,23 @@ def mcore_layer_spec(config, use_te: bool):
     return specs.get_gpt_layer_local_spec(normalization=config.normalization)
 
 
-def mcore_chunk_builder(use_te: bool):
-    """A drop-in for training.build.build_chunks that builds Megatron-Core GPTModel chunks."""
-    from megatron.core import parallel_state, tensor_parallel
+def mcore_model_maker(use_te: bool):
+    """make_model for training.build: Megatron-Core's GPTModel with our options."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.module import Float16Module
 
     from models.gpt import padded_vocab_size
 
-    def build_chunks(config, options, vpp, device):
-        chunks = []
+    def make_model(config, options, pre_process, post_process, vp_stage):
         padded = padded_vocab_size(options.vocab_size, options.make_vocab_size_divisible_by,
                                    config.tensor_model_parallel_size)
-        for vp_stage in range(vpp or 1):
-            stage = vp_stage if vpp else None
-            model = GPTModel(
-                config, mcore_layer_spec(config, use_te), vocab_size=padded,
-                max_sequence_length=options.max_sequence_length,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                share_embeddings_and_output_weights=options.tie_embeddings,
-                position_embedding_type="rope" if options.position_embedding == "rope" else "learned_absolute",
-                rotary_base=options.rotary_base, vp_stage=stage)
-            for param in model.parameters():
-                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-            model.to(device)
-            if config.bf16:
-                model = Float16Module(config, model)
-            chunks.append(model)
-        return chunks
+        return GPTModel(
+            config, mcore_layer_spec(config, use_te), vocab_size=padded,
+            max_sequence_length=options.max_sequence_length, pre_process=pre_process, post_process=post_process,
+            share_embeddings_and_output_weights=options.tie_embeddings,
+            position_embedding_type="rope" if options.position_embedding == "rope" else "learned_absolute",
+            rotary_base=options.rotary_base, vp_stage=vp_stage)
 
-    return build_chunks
+    return make_model
 
 
 def build_mcore(cfg: Config, vocab_size: int, device: torch.device, use_te: bool = False):
@@ -125,7 +111,7 @@ def build_mcore(cfg: Config, vocab_size: int, device: torch.device, use_te: bool
         raise ConfigError("Megatron-Core's local spec has no sequence-parallel norm here (torch's norm refuses "
                           "parallel.sp; apex has one for LayerNorm only): compare without parallel.sp, or with "
                           "--te where Transformer Engine is installed")
-    t = B.build(cfg, vocab_size, device, make_chunks=mcore_chunk_builder(use_te))
+    t = B.build(cfg, vocab_size, device, make_model=mcore_model_maker(use_te))
     assert isinstance(inner(t.model[0]), GPTModel)
     return t
 

@@ -30,16 +30,17 @@ class Trainable:
     config: TransformerConfig
 
 
-def build_chunks(config: TransformerConfig, options: GPTOptions, vpp: int | None,
-                 device: torch.device) -> list[torch.nn.Module]:
-    """This rank's GPT chunk(s): pre_process / post_process from its (virtual) pipeline position."""
+def build_chunks(config: TransformerConfig, options: GPTOptions, vpp: int | None, device: torch.device,
+                 make_model=GPT) -> list[torch.nn.Module]:
+    """This rank's model chunk(s), one per virtual pipeline stage: pre_process / post_process from its
+    pipeline position. make_model(config, options, pre_process=, post_process=, vp_stage=) builds one."""
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        model = GPT(config, options,
-                    pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                    vp_stage=stage)
+        model = make_model(config, options,
+                           pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                           post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                           vp_stage=stage)
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         model.to(device)
@@ -58,13 +59,13 @@ def wrap_ddp(chunks: list, config: TransformerConfig, cfg: Config) -> list:
 
 
 def build(cfg: Config, vocab_size: int, device: torch.device, *, init: bool = True, train: bool = True,
-          make_chunks=build_chunks) -> Trainable:
+          make_model=GPT) -> Trainable:
     """init=False skips the random init (every weight will be loaded: conversions); train=False returns
     the bare chunks without DDP's gradient buffers, optimizer or scheduler (inference, conversion);
-    make_chunks builds another model the same way (tools/bench.py: Megatron-Core's GPTModel)."""
+    make_model builds another model the same way (tools/bench.py: Megatron-Core's GPTModel)."""
     config = bridge.transformer_config(cfg)
     config.perform_initialization = init
-    chunks = make_chunks(config, bridge.gpt_options(cfg, vocab_size), cfg.parallel.vpp, device)
+    chunks = build_chunks(config, bridge.gpt_options(cfg, vocab_size), cfg.parallel.vpp, device, make_model)
     if not train:
         return Trainable(model=chunks, optimizer=None, scheduler=None, config=config)
     model = wrap_ddp(chunks, config, cfg)

@@ -132,17 +132,20 @@ def _cpu_factory(fn):
     return factory
 
 
+def _get_rng_state(device=None):
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state, device=None):
+    torch.set_rng_state(new_state)
+
+
 class _CudaRandomOnCpu(types.ModuleType):
+    get_rng_state = staticmethod(_get_rng_state)
+    set_rng_state = staticmethod(_set_rng_state)
+
     def __init__(self):
         super().__init__("torch.cuda.random (cpu)")
-
-    @staticmethod
-    def get_rng_state(device=None):
-        return torch.get_rng_state()
-
-    @staticmethod
-    def set_rng_state(new_state, device=None):
-        torch.set_rng_state(new_state)
 
     def __getattr__(self, name):
         return getattr(torch.cuda.random, name)
@@ -181,13 +184,8 @@ class _CudaOnCpu(types.ModuleType):
     def empty_cache():
         pass
 
-    @staticmethod
-    def get_rng_state(device=None):
-        return torch.get_rng_state()
-
-    @staticmethod
-    def set_rng_state(new_state, device=None):
-        torch.set_rng_state(new_state)
+    get_rng_state = staticmethod(_get_rng_state)
+    set_rng_state = staticmethod(_set_rng_state)
 
     @staticmethod
     def manual_seed(seed):
