@@ -5,8 +5,8 @@ hold [gate_r; up_r], so the local output splits into the rank's gate and up halv
 """
 
 import torch
-import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -31,7 +31,9 @@ class MLP(MegatronModule):
 
     def forward(self, x: torch.Tensor):  # [s(/tp), b, h]
         x, _ = self.linear_fc1(x)  # [s, b, ffn/tp] or [s, b, 2*ffn/tp]; bias added inside
-        if self.gated:
+        if self.gated and self.config.bias_activation_fusion:
+            x = bias_swiglu_impl(x, None)  # [s, b, 2*ffn/tp] -> [s, b, ffn/tp]: MCore's compiled SwiGLU
+        elif self.gated:
             gate, up = torch.chunk(x, 2, dim=-1)  # 2 x [s, b, ffn/tp]
             x = self.activation(gate) * up
         else:
@@ -49,11 +51,6 @@ class MLP(MegatronModule):
                         state[key], sharded_offsets, tp_group=self.linear_fc1.tp_group,
                         dp_group=metadata["dp_cp_group"])
         return state
-
-
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """The SiLU gate of SwiGLU (`gated_linear_unit=True` + this activation)."""
-    return F.silu(x)
 
 
 # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `mlp.{gate,up,down}_proj` -------------

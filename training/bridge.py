@@ -13,11 +13,10 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models import GPTOptions
-from models.mlp import swiglu
 from training import upstream_fixes
 from training.config import Config
 
-ACTIVATIONS = {"gelu": (F.gelu, False), "swiglu": (swiglu, True)}  # name -> (function, gated)
+ACTIVATIONS = {"gelu": (F.gelu, False), "swiglu": (F.silu, True)}  # name -> (function, gated: SwiGLU = silu gate)
 RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
 
 
@@ -29,9 +28,16 @@ def ffn_hidden_size(cfg: Config) -> int:
     return cfg.model.ffn_hidden_size or 4 * cfg.model.hidden_size
 
 
+def fused_kernels(cfg: Config) -> bool:
+    """Megatron-Core's own fusions that need neither TE nor apex (torch.compile'd: SwiGLU, vocab-parallel
+    cross entropy). `auto` = on GPUs; off on CPU, where inductor's first compile costs ~30 s a process."""
+    return cfg.model.fused_kernels == "on" or (cfg.model.fused_kernels == "auto" and torch.cuda.is_available())
+
+
 def transformer_config(cfg: Config) -> TransformerConfig:
     m, p = cfg.model, cfg.parallel
     activation, gated = ACTIVATIONS[m.activation]
+    fuse = fused_kernels(cfg)
     dtype = params_dtype(cfg)
     recompute = RECOMPUTE[m.recompute]
     return TransformerConfig(
@@ -58,9 +64,16 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         recompute_num_layers=1 if recompute == "full" else None,
         # free pipeline outputs once sent (Megatron-LM's default): activation memory of PP stages
         deallocate_pipeline_outputs=True,
-        # fused kernels need TE/apex or torch.compile (inductor: ~19 s first step on CPU): keep off
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        # torch.compile'd fusions (fused_kernels above): SwiGLU (models/mlp.py; MCore fuses gelu only with
+        # a bias) and the vocab-parallel cross entropy (LanguageModule.compute_language_model_loss). The
+        # latter only in bf16: 0.19.2's native version returns bf16 logit gradients whatever the dtype
+        # (fusions/fused_cross_entropy.py), exactly what bf16 runs get unfused, a ~1e-3 error in fp32.
+        bias_activation_fusion=fuse and gated, cross_entropy_fusion_impl="native",
+        cross_entropy_loss_fusion=fuse and dtype == torch.bfloat16,
+        # these need TE or apex (RoPE, softmax, weight-grad accumulation) or add nothing here (bias-dropout
+        # fusion: our dropout is 0 for pretraining); TE's versions come with the TE path
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
     )
 
 

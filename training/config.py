@@ -31,6 +31,7 @@ class ModelConfig:
     init_method_std: float = 0.02  # normal init std (output projections scaled by 1/sqrt(2L), Megatron)
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times tp (fast GEMMs)
     recompute: str = "none"  # none | selective (core attention) | full (every layer): trade compute for memory
+    fused_kernels: str = "auto"  # auto (on with CUDA) | on | off: Megatron-Core's torch.compile SwiGLU + cross entropy
 
 
 @dataclass

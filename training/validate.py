@@ -18,6 +18,7 @@ CHOICES = {
     "model.normalization": ("LayerNorm", "RMSNorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.recompute": ("none", "selective", "full"),
+    "model.fused_kernels": ("auto", "on", "off"),
     "optim.decay_style": ("cosine", "linear", "constant"),
     "train.precision": ("fp32", "bf16"),
     "train.nan_policy": ("stop", "skip"),
