@@ -13,9 +13,6 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # A failed or timed-out NCCL collective aborts the process instead of hanging the whole job.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
-# Buffers of asynchronous collectives (DP grad reduce, param gather) are freed when the collective
-# completes rather than tracked by the caching allocator: less memory held across steps.
-export TORCH_NCCL_AVOID_RECORD_STREAMS="${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}"
 # Growable allocator segments: activations of varying sizes fragment memory less (fewer OOMs near
 # the limit that the planner's estimate assumes reachable).
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

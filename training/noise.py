@@ -15,11 +15,17 @@ QUIET_WARNINGS = (
     "`torch.distributed.all_gather_into_tensor` is deprecated",  # called inside Megatron-Core
     "`torch.distributed._all_gather_base` is a private function",
     "`torch.distributed._reduce_scatter_base` is a private function",
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",  # the distributed optimizer's grad reduce
     "full scope is deprecated",  # TransformerConfig's cuda-graph default, we do not use CUDA graphs
     "MimoModelConfig is experimental",
     "No CUDA runtime is found",
 )
-QUIET_LOG_PREFIXES = ("MCore's async save is deprecated",)  # the synchronous save goes through it
+QUIET_LOG_PREFIXES = (
+    "MCore's async save is deprecated",  # the synchronous save goes through it
+    # DDP computes the distributed optimizer's buffer layout itself (its documented fallback) from the same
+    # bucket size it uses: precomputing it here would copy DDP's bucketing rules (PP stage, model chunk)
+    "DistributedDataParallel: full_param_layout not provided",
+)
 # dist_checkpointing compares every rank's common state with rank 0's at save. With the distributed
 # optimizer's fully_reshardable format, DP ranks > 0 keep an empty `param_state` in theirs: expected.
 EXPECTED_COMMON_STATE_DIFF = "Keys only on rank 0: [], Keys only on {rank}: [('optimizer', 'param_state')], " \
@@ -41,7 +47,11 @@ class _DropExpectedCommonStateDiff(logging.Filter):
 def quiet_known_noise() -> None:
     for prefix in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(prefix))
+    # the distributed optimizer's zero_grad asks hasattr(.grad) of its fp32 shards, views of our weights
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf",
+                            module=r"megatron\.core\.optimizer\.")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_DropPrefixes())
+    logging.getLogger("megatron.core.distributed.distributed_data_parallel").addFilter(_DropPrefixes())
     logging.getLogger("megatron.core.dist_checkpointing.validation").addFilter(_DropExpectedCommonStateDiff())
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
