@@ -35,7 +35,7 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
     "pp2": (2, ["parallel.pp=2"]),
-    # PP=2 with 2 virtual stages: Megatron-Core's batched p2p corrupts gradients here (DESIGN.md)
+    # PP=2 with 2 virtual stages: Megatron-Core's batched p2p corrupts gradients here (training/upstream_fixes.py)
     "vpp": (2, ["parallel.pp=2", "parallel.vpp=2"]),
     "dp2": (2, ["train.micro_batch_size=8"]),  # one micro-batch per rank
     "distopt": (2, ["parallel.dist_opt=true", "parallel.overlap_grad_reduce=true",

@@ -49,9 +49,9 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3  # peak learning rate (after warmup)
-    min_lr: float = 1e-4  # learning rate at the end of decay
-    warmup_iters: int = 10  # linear warmup from 0 to lr
+    lr: float = 3e-3  # peak learning rate (after warmup); the tiny model takes a high one
+    min_lr: float = 3e-4  # learning rate at the end of decay (lr / 10)
+    warmup_iters: int = 20  # linear warmup from 0 to lr
     decay_style: str = "cosine"  # cosine | linear | constant
     decay_iters: Optional[int] = None  # iteration where decay reaches min_lr; null = train.iters
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms and biases)
@@ -81,11 +81,11 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (bf16 params/activations, fp32 main params and grads)
     log_interval: int = 10  # iterations between log lines
     eval_interval: int = 100  # iterations between validation runs; 0 disables
-    eval_iters: int = 4  # validation global batches per evaluation
+    eval_iters: int = 2  # validation global batches per evaluation
     save_interval: int = 0  # iterations between checkpoints; 0 = only at the end (when checkpoint.dir)
     exit_interval: int = 0  # stop (after saving) at an iteration multiple of this; 0 = never
     exit_duration_minutes: float = 0.0  # stop (after saving) after this wall-clock time; 0 = never
-    nan_policy: str = "stop"  # stop | skip: what a NaN/Inf loss or grad norm does
+    nan_policy: str = "stop"  # stop | skip: what a NaN/Inf loss does (checked before the optimizer step)
     profile: bool = False  # torch.profiler trace of iterations [profile_start, profile_end)
     profile_start: int = 5  # first profiled iteration (after warm-up)
     profile_end: int = 7  # first iteration after the profiled window
@@ -96,7 +96,7 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None  # where iter_XXXXXXX/ checkpoints go; null = no checkpoints
+    dir: Optional[str] = "checkpoints"  # where iter_XXXXXXX/ checkpoints go (relative: in the run dir); null = none
     load: Optional[str] = "auto"  # auto (resume from dir's latest if any) | null (fresh) | a path
     keep: int = 3  # newest checkpoints kept; older ones are deleted after a successful save; 0 = all
     finetune: bool = False  # start from checkpoint.load's weights only: fresh optimizer, schedule, data, iteration 0
