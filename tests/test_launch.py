@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import free_port
 
@@ -76,7 +77,7 @@ def test_image_tag_is_the_same_in_dockerfile_and_docker_sh():
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck not installed (apt-get install shellcheck)")
 def test_shellcheck_is_clean():
-    scripts = sorted(str(p) for p in (ROOT / "launch").iterdir())
+    scripts = sorted(str(p) for p in (ROOT / "launch").iterdir()) + sorted(str(p) for p in ROOT.glob("tools/*.sh"))
     done = subprocess.run(["shellcheck", "-S", "warning", "-x", *scripts], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
 
@@ -145,3 +146,11 @@ def test_slurm_pre_timeout_signal_checkpoints_requeues_and_resumes(tmp_path):
     assert requeued.returncode == 0, requeued.stdout + requeued.stderr
     assert f"start at iteration {stopped} " in requeued.stdout
     assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"  # finished: no second requeue
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_gpu_check_refuses_without_a_gpu(tmp_path):
+    done = subprocess.run(["tools/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OUT": str(tmp_path / "check")})
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error: no CUDA GPU is visible") and "make test" in done.stderr
