@@ -72,8 +72,8 @@ def batch_iterators(t, batch: list[dict], cfg: Config, derived: Derived):
 
 
 def mcore_layer_spec(config, use_te: bool):
-    """TE spec when asked, else the local spec: Megatron-Core's own layers, unfused because
-    training.bridge turns every fusion off (as for ours)."""
+    """TE spec when asked, else the local spec: Megatron-Core's own layers with the same fusions as
+    ours, since both read the one TransformerConfig of training.bridge (model.fused_kernels)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:

@@ -31,8 +31,8 @@ The patches, narrowest first:
    on a CPU-only machine `.cuda()` returns the tensor itself.
 
 What this module does not cover (not reached by a training step on CPU): TE/apex kernels, CUDA graphs,
-`torch.autocast("cuda")` (keep `enable_autocast` off), fused bias/dropout (inductor on CPU: keep fusions
-off), FSDP, inference, the grad scaler (fp16 only; we train fp32/bf16).
+`torch.autocast("cuda")` (keep `enable_autocast` off), FSDP, inference, the grad scaler (fp16 only; we
+train fp32/bf16). The torch.compile'd fusions need no patch (model.fused_kernels=on runs on CPU, tested).
 """
 
 from __future__ import annotations
