@@ -294,7 +294,3 @@ def apply() -> bool:
     torch.Tensor.cuda = _tensor_cuda
     _applied = True
     return True
-
-
-def is_applied() -> bool:
-    return _applied
