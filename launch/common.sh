@@ -42,7 +42,7 @@ default_nproc() {
 }
 
 free_port() {
-  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+  "$PYTHON" -m training.net  # prints a free port (the one helper the tools and tests use too)
 }
 
 # check_config WORLD_SIZE PORT OVERRIDES...: validate the composed config for WORLD_SIZE processes

@@ -14,6 +14,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from models.shape import ModelShape
 
 class ApplyRope(torch.autograd.Function):
     """RoPE, non-interleaved: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] on the halves.
@@ -67,7 +68,7 @@ class CoreAttention(torch.nn.Module):
 
 
 class SelfAttention(MegatronModule):
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, layer_number: int | None = None):
         super().__init__(config=config)
         tp = config.tensor_model_parallel_size
         self.head_dim = config.kv_channels
@@ -109,35 +110,46 @@ class SelfAttention(MegatronModule):
         cos, sin = torch.cos(freqs).to(q.dtype), torch.sin(freqs).to(q.dtype)  # [s, 1, 1, hn]
         return ApplyRope.apply(q, cos, sin), ApplyRope.apply(k, cos, sin)
 
+    @staticmethod
+    def num_params(shape: ModelShape, tp: int) -> int:
+        h, q, kv = shape.hidden_size, shape.q_width, shape.kv_width
+        split = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.add_bias_linear else 0)  # qkv, proj, qkv bias
+        return split // tp + (h if shape.add_bias_linear else 0)  # RowParallelLinear's bias is replicated
 
-# ---- Hugging Face interop (Llama family): this block's weights <-> HF's `self_attn.{q,k,v,o}_proj` ------------
-# HF keeps q_proj [np*hn, h] and k_proj, v_proj [ng*hn, h] apart; our full (tp=1) linear_qkv interleaves them per
-# query group, [ng, (np/ng)*hn q | hn k | hn v] rows (module docstring). HF's q/k rows are already in the
-# rotate_half order of Megatron-Core's non-interleaved RoPE (ours): no permutation. Biases (HF attention_bias: q,
-# k, v and o) follow the same layout. `get` reads a tensor by name relative to the block, each side's names.
+    @staticmethod
+    def flops_per_token(shape: ModelShape) -> float:
+        h, q, kv = shape.hidden_size, shape.q_width, shape.kv_width
+        scores = 2 * 2 * shape.seq_length * q / 2  # q k^T and probs v; the causal mask halves them
+        return 2 * h * (q + 2 * kv) + scores + 2 * q * h
+
+    # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `self_attn.{q,k,v,o}_proj` -------
+    # HF keeps q_proj [np*hn, h] and k_proj, v_proj [ng*hn, h] apart; our full (tp=1) linear_qkv interleaves them
+    # per query group, [ng, (np/ng)*hn q | hn k | hn v] rows (module docstring). HF's q/k rows are already in the
+    # rotate_half order of Megatron-Core's non-interleaved RoPE (ours): no permutation. Biases (HF
+    # attention_bias: q, k, v and o) follow the same layout. `get` reads a tensor by name relative to the block.
+    @staticmethod
+    def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        ng = config.num_query_groups
+        out = {}
+        for kind in _hf_kinds(config):
+            q, k, v = (get(f"{n}_proj.{kind}") for n in "qkv")  # [np*hn, ...], [ng*hn, ...] x 2
+            grouped = [t.reshape(ng, -1, *t.shape[1:]) for t in (q, k, v)]  # [ng, rows per group, ...]
+            out[f"linear_qkv.{kind}"] = torch.cat(grouped, dim=1).flatten(0, 1)  # [ng*(np/ng+2)*hn, ...]
+            out[f"linear_proj.{kind}"] = get(f"o_proj.{kind}")
+        return out
+
+    @staticmethod
+    def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        ng, hn = config.num_query_groups, config.kv_channels
+        per_group = divide(config.num_attention_heads, ng) * hn
+        out = {}
+        for kind in _hf_kinds(config):
+            qkv = get(f"linear_qkv.{kind}")
+            q, k, v = qkv.reshape(ng, per_group + 2 * hn, *qkv.shape[1:]).split([per_group, hn, hn], dim=1)
+            out[f"q_proj.{kind}"], out[f"k_proj.{kind}"], out[f"v_proj.{kind}"] = (t.flatten(0, 1) for t in (q, k, v))
+            out[f"o_proj.{kind}"] = get(f"linear_proj.{kind}")
+        return out
+
 
 def _hf_kinds(config: TransformerConfig) -> tuple[str, ...]:
     return ("weight", "bias") if config.add_bias_linear else ("weight",)
-
-
-def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
-    ng = config.num_query_groups
-    out = {}
-    for kind in _hf_kinds(config):
-        q, k, v = (get(f"{n}_proj.{kind}") for n in "qkv")  # [np*hn, ...], [ng*hn, ...] x 2
-        grouped = [t.reshape(ng, -1, *t.shape[1:]) for t in (q, k, v)]  # [ng, rows per group, ...]
-        out[f"linear_qkv.{kind}"] = torch.cat(grouped, dim=1).flatten(0, 1)  # [ng*(np/ng+2)*hn, ...]
-        out[f"linear_proj.{kind}"] = get(f"o_proj.{kind}")
-    return out
-
-
-def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
-    ng, hn = config.num_query_groups, config.kv_channels
-    per_group = divide(config.num_attention_heads, ng) * hn
-    out = {}
-    for kind in _hf_kinds(config):
-        qkv = get(f"linear_qkv.{kind}")
-        q, k, v = qkv.reshape(ng, per_group + 2 * hn, *qkv.shape[1:]).split([per_group, hn, hn], dim=1)
-        out[f"q_proj.{kind}"], out[f"k_proj.{kind}"], out[f"v_proj.{kind}"] = (t.flatten(0, 1) for t in (q, k, v))
-        out[f"o_proj.{kind}"] = get(f"linear_proj.{kind}")
-    return out

@@ -11,6 +11,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.shape import ModelShape
+
 
 class Embedding(MegatronModule):
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
@@ -39,14 +41,19 @@ class Embedding(MegatronModule):
                 return self.dropout(x)
         return self.dropout(x)
 
+    @staticmethod
+    def num_params(shape: ModelShape, tp: int) -> int:
+        """The vocab-parallel table (padded rows split over TP) + learned positions (replicated)."""
+        positions = shape.seq_length * shape.hidden_size if shape.position_embedding == "learned" else 0
+        return shape.padded_vocab(tp) * shape.hidden_size // tp + positions
 
-# ---- Hugging Face interop (Llama family): this block's weights <-> HF's `model.embed_tokens` ------------------
-# `get` reads a tensor by name relative to the block, each side's names. Full (unsharded) tensors, vocab rows as
-# stored (models/gpt.py pads / unpads them). Llama has no learned positions.
+    # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `model.embed_tokens` --------------
+    # `get` reads a tensor by name relative to the block, each side's names. Full (unsharded) tensors, vocab rows
+    # as stored (models/gpt.py pads / unpads them). Llama has no learned positions.
+    @staticmethod
+    def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        return {"word_embeddings.weight": get("weight")}  # [V, h]
 
-def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
-    return {"word_embeddings.weight": get("weight")}  # [V, h]
-
-
-def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
-    return {"weight": get("word_embeddings.weight")}
+    @staticmethod
+    def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        return {"weight": get("word_embeddings.weight")}

@@ -7,11 +7,10 @@ machinery: with `tie_embeddings` and PP > 1 the last stage holds a copy of the e
 is initialised from the first stage and whose gradient is summed with it over the embedding group
 (`finalize_model_grads`).
 
-The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp` (Megatron's rule) so it
-splits evenly; padded logits are masked to -inf, so padding never changes the loss or the gradients.
+The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp` (Megatron's rule, in
+models/shape.py) so it splits evenly; padded logits are masked to -inf, so padding never changes the loss
+or the gradients. `num_params` and `flops_per_token` below sum what each block declares (models/spec.py).
 """
-
-from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -20,49 +19,35 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.block import TransformerStack
 from models.embedding import Embedding
-
-
-@dataclass
-class GPTOptions:
-    """What the GPT needs beyond Megatron-Core's TransformerConfig."""
-
-    vocab_size: int  # the tokenizer's vocabulary (before padding)
-    max_sequence_length: int  # longest sequence (learned positions table size)
-    position_embedding: str = "rope"  # "rope" | "learned"
-    rotary_base: float = 10000.0  # RoPE theta
-    tie_embeddings: bool = True  # output layer reuses the input embedding
-    make_vocab_size_divisible_by: int = 128  # pad vocab for fast GEMMs; times tp so shards are equal
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+from models.layer import HF_NAMES
+from models.norm import Norm
+from models.shape import ModelShape
+from models.spec import layer_spec
+from models.stack import TransformerStack, stage_layer_numbers
 
 
 class GPT(LanguageModule):
-    def __init__(self, config: TransformerConfig, options: GPTOptions, pre_process: bool = True,
+    def __init__(self, config: TransformerConfig, shape: ModelShape, pre_process: bool = True,
                  post_process: bool = True, vp_stage: int | None = None):
         super().__init__(config=config)
-        self.options = options
+        self.shape = shape
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
-        self.share_embeddings_and_output_weights = options.tie_embeddings
-        self.vocab_size = options.vocab_size
-        self.padded_vocab_size = padded_vocab_size(
-            options.vocab_size, options.make_vocab_size_divisible_by, config.tensor_model_parallel_size)
+        self.share_embeddings_and_output_weights = shape.tie_embeddings
+        self.vocab_size = shape.vocab_size
+        self.padded_vocab_size = shape.padded_vocab(config.tensor_model_parallel_size)
         self.model_type = ModelType.encoder_or_decoder  # what Megatron-Core's schedules look for
         self.input_tensor = None
 
         if pre_process:
-            self.embedding = Embedding(config, self.padded_vocab_size, options.max_sequence_length,
-                                       learned_positions=options.position_embedding == "learned")
+            self.embedding = Embedding(config, self.padded_vocab_size, shape.seq_length,
+                                       learned_positions=shape.position_embedding == "learned")
         self.rotary_pos_emb = None
-        if options.position_embedding == "rope":
+        if shape.position_embedding == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent=1.0,
-                                                  rotary_base=options.rotary_base,
+                                                  rotary_base=shape.rotary_base,
                                                   use_cpu_initialization=config.use_cpu_initialization)
-        self.decoder = TransformerStack(config, post_process=post_process, vp_stage=vp_stage)
+        self.decoder = TransformerStack(config, shape, post_process=post_process, vp_stage=vp_stage)
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, config=config, init_method=config.init_method,
@@ -107,26 +92,39 @@ class GPT(LanguageModule):
         return self.compute_language_model_loss(labels, logits)  # [b, s]
 
 
+# ---- sizes: the whole model's parameter count and FLOPs, summed from each block's own declaration ----------
+
+def num_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0, vpp: int | None = None) -> int:
+    """Parameters on one GPU of pipeline rank `stage` (all its virtual chunks): its layers' blocks; the first
+    stage adds the embedding, the last the final norm and the output layer, which is its own weight unless
+    tied within one stage (tied across stages, the last stage holds a copy with its own gradient and optimizer
+    state). num_params(shape) is the whole model, every weight once. A test compares with the built model."""
+    count = sum(block.num_params(shape, tp) for n in stage_layer_numbers(shape.num_layers, pp, vpp, stage)
+                for _, block in layer_spec(shape, n).items())
+    if stage == 0:
+        count += Embedding.num_params(shape, tp)
+    if stage == pp - 1:
+        count += Norm.num_params(shape, tp)
+        if not shape.tie_embeddings or pp > 1:
+            count += shape.padded_vocab(tp) * shape.hidden_size // tp  # output_layer [V_padded/tp, h]
+    return count
+
+
+def flops_per_token(shape: ModelShape, tp: int = 1) -> float:
+    """Training FLOPs per token: 3 x forward (backward = 2 x forward; recomputation not counted), as in
+    Megatron-LM's `num_floating_point_operations`: each block's GEMMs + the output layer over the padded
+    vocabulary (what the GPUs compute at this TP size)."""
+    forward = sum(block.flops_per_token(shape) for n in range(1, shape.num_layers + 1)
+                  for _, block in layer_spec(shape, n).items())
+    return 3.0 * (forward + 2 * shape.hidden_size * shape.padded_vocab(tp))
+
+
 # ---- Hugging Face interop (Llama family): the whole GPT's weights <-> HF's LlamaForCausalLM names -------------
-# Walks the blocks (each declares its own mapping: models/embedding.py, layer.py -> attention.py, mlp.py, norm.py)
-# one layer at a time, so a converter can stream. `get` reads a full (unsharded) tensor by name, each side's
-# names; the GPT side is the full state of this config's layout, so vocab rows are padded to
-# padded_vocab_size(..., tp) with zeros on the way in and the padding is dropped on the way out.
-# lm_head exists only for untied embeddings; RoPE has no weights (Llama has no learned positions).
-
-def _hf_walk(config: TransformerConfig, options: GPTOptions):
-    """(our prefix, HF prefix, mapping module, holds vocab rows) for every block, in model order."""
-    from models import embedding, layer, norm
-
-    if options.position_embedding != "rope":
-        raise ValueError("Llama-style models use RoPE (model.position_embedding=rope), not learned positions")
-    yield "embedding.", "model.embed_tokens.", embedding, True
-    for i in range(config.num_layers):
-        yield f"decoder.layers.{i}.", f"model.layers.{i}.", layer, False
-    yield "decoder.final_layernorm.", "model.norm.", norm, False
-    if not options.tie_embeddings:
-        yield "output_layer.", "lm_head.", _OutputLayerHF, True
-
+# Walks the blocks (each declares its own mapping as from_hf / to_hf: models/embedding.py, attention.py, mlp.py,
+# norm.py; the layer's sub-block names are models/layer.py's HF_NAMES) one layer at a time, so a converter can
+# stream. `get` reads a full (unsharded) tensor by name, each side's names; the GPT side is the full state of
+# this config's layout, so vocab rows are padded to shape.padded_vocab(tp) with zeros on the way in and the
+# padding is dropped on the way out. lm_head exists only for untied embeddings; RoPE has no weights.
 
 class _OutputLayerHF:
     """The output layer (defined in this file): our output_layer.weight [V, h] is HF's lm_head.weight."""
@@ -138,19 +136,34 @@ class _OutputLayerHF:
     to_hf = from_hf
 
 
-def from_hf(get, config: TransformerConfig, options: GPTOptions):
+def _hf_walk(shape: ModelShape):
+    """(our prefix, HF prefix, block class with from_hf / to_hf, holds vocab rows) for every block, in order."""
+    if shape.position_embedding != "rope":
+        raise ValueError("Llama-style models use RoPE (model.position_embedding=rope), not learned positions")
+    yield "embedding.", "model.embed_tokens.", Embedding, True
+    for i in range(shape.num_layers):
+        for name, block in layer_spec(shape, i + 1).items():
+            if not hasattr(block, "from_hf"):
+                raise ValueError(f"block {block.__module__}.{block.__name__} ({name}) has no Hugging Face "
+                                 f"mapping: give it from_hf / to_hf (see models/mlp.py)")
+            yield f"decoder.layers.{i}.{name}.", f"model.layers.{i}.{HF_NAMES[name]}.", block, False
+    yield "decoder.final_layernorm.", "model.norm.", Norm, False
+    if not shape.tie_embeddings:
+        yield "output_layer.", "lm_head.", _OutputLayerHF, True
+
+
+def from_hf(get, config: TransformerConfig, shape: ModelShape):
     """Yields (our parameter name, full tensor) from HF tensors read with get(hf name)."""
-    rows = padded_vocab_size(options.vocab_size, options.make_vocab_size_divisible_by,
-                             config.tensor_model_parallel_size)
-    for ours, hf, block, vocab_rows in _hf_walk(config, options):
+    rows = shape.padded_vocab(config.tensor_model_parallel_size)
+    for ours, hf, block, vocab_rows in _hf_walk(shape):
         for name, tensor in block.from_hf(lambda n, hf=hf: get(hf + n), config).items():
             if vocab_rows:  # [V, h] -> [V_padded, h], zero rows (their logits are masked anyway)
                 tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
             yield ours + name, tensor
 
 
-def to_hf(get, config: TransformerConfig, options: GPTOptions):
+def to_hf(get, config: TransformerConfig, shape: ModelShape):
     """Yields (HF name, full tensor) from our full tensors read with get(our parameter name)."""
-    for ours, hf, block, vocab_rows in _hf_walk(config, options):
+    for ours, hf, block, vocab_rows in _hf_walk(shape):
         for name, tensor in block.to_hf(lambda n, ours=ours: get(ours + n), config).items():
-            yield hf + name, tensor[: options.vocab_size] if vocab_rows else tensor
+            yield hf + name, tensor[: shape.vocab_size] if vocab_rows else tensor

@@ -12,9 +12,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
+from models.shape import ModelShape
+
 
 class MLP(MegatronModule):
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, layer_number: int | None = None):
         super().__init__(config=config)
         ffn = config.ffn_hidden_size
         self.gated = config.gated_linear_unit
@@ -52,28 +54,38 @@ class MLP(MegatronModule):
                         dp_group=metadata["dp_cp_group"])
         return state
 
+    @staticmethod
+    def num_params(shape: ModelShape, tp: int) -> int:
+        h, ffn = shape.hidden_size, shape.ffn_hidden_size
+        fc1 = 2 * ffn if shape.gated else ffn
+        split = h * fc1 + ffn * h + (fc1 if shape.add_bias_linear else 0)
+        return split // tp + (h if shape.add_bias_linear else 0)  # fc2's bias is replicated
 
-# ---- Hugging Face interop (Llama family): this block's weights <-> HF's `mlp.{gate,up,down}_proj` -------------
-# Full (tp=1) fc1 is [gate; up] ([2*ffn, h], see the module docstring) = cat(HF gate_proj, HF up_proj); fc2 is
-# HF down_proj. Biases (HF mlp_bias) follow the same layout. `get` reads a tensor by name relative to the block.
+    @staticmethod
+    def flops_per_token(shape: ModelShape) -> float:  # SwiGLU: three h x ffn GEMMs (gate, up, down)
+        return 2 * shape.hidden_size * shape.ffn_hidden_size * (3 if shape.gated else 2)
+
+    # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `mlp.{gate,up,down}_proj` ---------
+    # Full (tp=1) fc1 is [gate; up] ([2*ffn, h], see the module docstring) = cat(HF gate_proj, HF up_proj); fc2 is
+    # HF down_proj. Biases (HF mlp_bias) follow the same layout. `get` reads a tensor by name relative to the block.
+    @staticmethod
+    def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        out = {}
+        for kind in _hf_kinds(config):
+            out[f"linear_fc1.{kind}"] = torch.cat([get(f"gate_proj.{kind}"), get(f"up_proj.{kind}")], dim=0)
+            out[f"linear_fc2.{kind}"] = get(f"down_proj.{kind}")
+        return out
+
+    @staticmethod
+    def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        out = {}
+        for kind in _hf_kinds(config):
+            out[f"gate_proj.{kind}"], out[f"up_proj.{kind}"] = torch.chunk(get(f"linear_fc1.{kind}"), 2, dim=0)
+            out[f"down_proj.{kind}"] = get(f"linear_fc2.{kind}")
+        return out
+
 
 def _hf_kinds(config: TransformerConfig) -> tuple[str, ...]:
     if not config.gated_linear_unit:
         raise ValueError("a Llama-style MLP is gated (SwiGLU: model.activation=swiglu); this one is not")
     return ("weight", "bias") if config.add_bias_linear else ("weight",)
-
-
-def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
-    out = {}
-    for kind in _hf_kinds(config):
-        out[f"linear_fc1.{kind}"] = torch.cat([get(f"gate_proj.{kind}"), get(f"up_proj.{kind}")], dim=0)
-        out[f"linear_fc2.{kind}"] = get(f"down_proj.{kind}")
-    return out
-
-
-def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
-    out = {}
-    for kind in _hf_kinds(config):
-        out[f"gate_proj.{kind}"], out[f"up_proj.{kind}"] = torch.chunk(get(f"linear_fc1.{kind}"), 2, dim=0)
-        out[f"down_proj.{kind}"] = get(f"linear_fc2.{kind}")
-    return out

@@ -10,15 +10,17 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.shape import ModelShape
+
 
 class Norm(MegatronModule):
-    def __init__(self, config: TransformerConfig, hidden_size: int):
+    def __init__(self, config: TransformerConfig, layer_number: int | None = None):
         super().__init__(config=config)
         self.kind = config.normalization  # "LayerNorm" | "RMSNorm"
         self.eps = config.layernorm_epsilon
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
         if self.kind == "LayerNorm":
-            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+            self.bias = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype))
         elif self.kind == "RMSNorm":
             self.register_parameter("bias", None)
         else:
@@ -32,18 +34,25 @@ class Norm(MegatronModule):
             return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
         return F.rms_norm(x, shape, self.weight, self.eps)
 
+    @staticmethod
+    def num_params(shape: ModelShape, tp: int) -> int:  # replicated on every TP rank
+        return shape.hidden_size * (2 if shape.normalization == "LayerNorm" else 1)
 
-# ---- Hugging Face interop (Llama family): this block's weights <-> HF's `*layernorm` / `norm` -------------
-# The same names on both sides ("weight", "bias" for LayerNorm; Llama's RMSNorm has no bias). `get` reads a
-# tensor by name relative to the block, each side's names; training/hf.py walks the model with these.
+    @staticmethod
+    def flops_per_token(shape: ModelShape) -> float:  # not counted (Megatron's formula counts GEMMs)
+        return 0.0
+
+    # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `*layernorm` / `norm` ---------
+    # The same names on both sides ("weight", "bias" for LayerNorm; Llama's RMSNorm has no bias). `get` reads
+    # a tensor by name relative to the block, each side's names; training/tools/hf.py walks the model.
+    @staticmethod
+    def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        return {name: get(name) for name in _hf_names(config)}
+
+    @staticmethod
+    def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        return {name: get(name) for name in _hf_names(config)}
+
 
 def _hf_names(config: TransformerConfig) -> tuple[str, ...]:
     return ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
-
-
-def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
-    return {name: get(name) for name in _hf_names(config)}
-
-
-def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
-    return {name: get(name) for name in _hf_names(config)}

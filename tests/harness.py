@@ -13,21 +13,16 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
+from training.net import free_port
+
 # Collective timeout inside the workers: short, so a hang shows up as an error, not a 30-minute wait.
 WORKER_COLLECTIVE_TIMEOUT_MIN = 2.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, results):

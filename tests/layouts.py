@@ -4,7 +4,7 @@ produced (loss, logits, every parameter's gradient) back into full, single-proce
 The parent test process calls `run_layout(overrides, world_size, weights, batch)`; inside each rank
 the model is built by the real engine (training.build: Megatron-Core DDP, schedules,
 finalize_model_grads), the full weights are sliced into this rank's shards, and the step runs through
-`training.loop.run_schedule`. Each rank returns its shards tagged with how they were cut; `assemble`
+`training.step.run_schedule`. Each rank returns its shards tagged with how they were cut; `assemble`
 glues them back (and checks that replicas agree).
 """
 
@@ -89,11 +89,15 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
     """One layout in an existing process group: build, load, train, gather; groups reset after."""
     from megatron.core import parallel_state as ps
 
+    from models.gpt import num_params
+    from models.shape import ModelShape
+    from models.spec import extra_loss_names
     from training import dist as D
     from training.build import build, unwrap
     from training.compose import compose
-    from training.data import MicroBatches
-    from training.loop import global_loss, run_schedule, train_step
+    from training.data import micro_batch_streams
+    from training.losses import extra_losses, global_loss
+    from training.step import run_schedule, train_step
     from training.validate import validate
 
     cfg = compose(overrides)
@@ -101,46 +105,50 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
     p = cfg.parallel
     info = D.init(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, timeout_minutes=2)
     try:
-        t = build(cfg, VOCAB, info.device)
+        state = build(cfg, ModelShape.of(cfg.model, VOCAB), info.device)
         tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), p.tp
         if weights is not None:
             with torch.no_grad():
-                for chunk in t.model:
+                for chunk in state.model:
                     gpt = unwrap(chunk)
                     for name, param in gpt.named_parameters():
                         param.copy_(shard(weights[global_name(gpt, name)], param, tp_rank, tp_size))
-            t.optimizer.reload_model_params()  # fp32 main params (bf16, dist optimizer) follow the load
+            state.optimizer.reload_model_params()  # fp32 main params (bf16, dist optimizer) follow the load
         # Init drew a layout-dependent amount of random numbers (padded vocab): restart the streams so
         # dropout masks do not depend on it.
         D.set_seeds(cfg.train.seed)
 
         def iterators():
-            streams = [MicroBatches(batch, 0, cfg.train.micro_batch_size, derived.dp,
-                                    ps.get_data_parallel_rank()) for _ in t.model]
-            return streams if len(streams) > 1 else streams[0]
+            return micro_batch_streams(len(state.model), batch, 0, cfg.train.micro_batch_size)
 
         def tagged(param, tensor):
             parallel = getattr(param, "tensor_model_parallel", False)
             return (tp_rank, tp_size, param.partition_dim if parallel else None,
                     param.partition_stride if parallel else 1, tensor.detach().float().clone())
 
-        losses, grads, params = [], {}, {}
+        losses, extras, grads, params = [], [], {}, {}
         for _ in range(steps - 1):
-            losses.append(train_step(t, iterators(), derived, cfg, info.device)[0])
-        for chunk in t.model:  # the last step: keep the gradients, do not update
+            result = train_step(state, iterators(), derived, cfg, info.device)
+            losses.append(result.loss)
+            extras.append(result.extra)
+        for chunk in state.model:  # the last step: keep the gradients, do not update
             chunk.zero_grad_buffer()
-        losses.append(global_loss(run_schedule(t, iterators(), derived, cfg, forward_only=False),
+        losses.append(global_loss(run_schedule(state, iterators(), derived, cfg, forward_only=False),
                                   info.device).item())
-        for chunk in t.model:
+        extras.append(extra_losses(extra_loss_names(state.shape), info.device))
+        for chunk in state.model:
             gpt = unwrap(chunk)
             for name, param in gpt.named_parameters():
                 # The distributed optimizer reduce-scatters: each DP rank holds only its shard of the grads.
                 if not cfg.parallel.dist_opt:
                     grads.setdefault(global_name(gpt, name), []).append(tagged(param, param.main_grad))
                 params.setdefault(global_name(gpt, name), []).append(tagged(param, param))
-        out = {"losses": losses, "grads": grads, "params": params}
+        # this rank's parameters, built vs the memory estimate's count (models/gpt.py num_params)
+        built = sum(param.numel() for chunk in state.model for param in unwrap(chunk).parameters())
+        estimated = num_params(state.shape, p.tp, p.pp, ps.get_pipeline_model_parallel_rank(), p.vpp)
+        out = {"losses": losses, "extra": extras, "grads": grads, "params": params, "counts": (built, estimated)}
         if want_logits and p.pp == 1:
-            gpt = unwrap(t.model[0])
+            gpt = unwrap(state.model[0])
             gpt.eval()
             with torch.no_grad():
                 logits = gpt(torch.stack([s["tokens"] for s in batch]))  # [b, s, V_padded/tp]
@@ -182,8 +190,10 @@ def _gather(per_rank: list[dict]) -> dict:
     losses = [r["losses"] for r in per_rank]
     for other in losses[1:]:
         assert other == losses[0], f"ranks disagree on the loss: {losses}"
+    extras = [r["extra"] for r in per_rank]
+    assert all(e == extras[0] for e in extras), f"ranks disagree on the extra losses: {extras}"
     rows = lambda name: VOCAB if "word_embeddings" in name or "output_layer" in name else None  # noqa: E731
-    out = {"losses": losses[0],
+    out = {"losses": losses[0], "extra": extras[0], "counts": [r["counts"] for r in per_rank],
            "grads": {n: assemble(parts, rows(n)) for n, parts in grads.items()},
            "params": {n: assemble(parts, rows(n)) for n, parts in params.items()}}
     logits = {r["logits"][0]: r["logits"][4] for r in per_rank if "logits" in r}  # by TP rank

@@ -19,11 +19,12 @@ QUICK = ["model.num_layers=2", "model.seq_length=64", "train.micro_batch_size=2"
 def _train(overrides: list[str], run_dir: str) -> dict:
     from training.compose import compose
     from training.loop import run
+    from training.validate import validate
 
     cfg = compose(overrides)
     if cfg.checkpoint.dir is not None and not Path(cfg.checkpoint.dir).is_absolute():
         cfg.checkpoint.dir = str(Path(run_dir) / cfg.checkpoint.dir)  # as train.py does
-    return run(cfg, run_dir)
+    return run(cfg, validate(cfg), run_dir)
 
 
 def train(overrides: list[str], world_size: int, run_dir: Path, timeout: float = 300.0) -> dict[int, float]:

@@ -35,10 +35,12 @@ MODELS = {
 
 def _both_models(models: dict) -> dict:
     """Per model variant: [(loss, grad norm)] of two train_steps, for ours and for Megatron-Core's."""
-    from training import benchmark as bm, dist as D
+    from training import dist as D
+    from training.tools import benchmark as bm
     from training.build import build
     from training.compose import compose
-    from training.loop import train_step
+    from models.shape import ModelShape
+    from training.step import train_step
     from training.validate import validate
 
     out = {}
@@ -46,15 +48,16 @@ def _both_models(models: dict) -> dict:
         for name, overrides in models.items():
             cfg = compose(BASE + overrides)
             derived = validate(cfg)
-            ours = build(cfg, VOCAB, info.device)
-            mcore = bm.build_mcore(cfg, VOCAB, info.device)
+            shape = ModelShape.of(cfg.model, VOCAB)
+            ours = build(cfg, shape, info.device)
+            mcore = bm.build_mcore(cfg, shape, info.device)
             bm.copy_weights(ours, mcore)
             batch = bm.synthetic_batch(cfg, VOCAB)
-            ours_iters, mcore_iters = bm.batch_iterators(ours, batch, cfg, derived), \
-                bm.batch_iterators(mcore, batch, cfg, derived)
-            mine = [train_step(ours, ours_iters(), derived, cfg, info.device)[:2] for _ in range(2)]
-            theirs = [train_step(mcore, mcore_iters(), derived, cfg, info.device, step=bm.mcore_forward_step)[:2]
+            ours_streams, mcore_streams = bm.batch_streams(ours, batch, cfg), bm.batch_streams(mcore, batch, cfg)
+            mine = [train_step(ours, ours_streams(), derived, cfg, info.device) for _ in range(2)]
+            theirs = [train_step(mcore, mcore_streams(), derived, cfg, info.device, step=bm.mcore_forward_step)
                       for _ in range(2)]
+            mine, theirs = ([(r.loss, r.grad_norm) for r in results] for results in (mine, theirs))
             out[name] = {"ours": mine, "mcore": theirs}
     return out
 

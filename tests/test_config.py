@@ -10,6 +10,8 @@ from training.compose import CONF_DIR, compose
 from training.errors import ConfigError
 from training.validate import validate
 
+pytestmark = pytest.mark.fast  # the whole module: compose and validate in this process, seconds
+
 INVALID = {
     # overrides, world size, a fragment the one-line error must contain
     "world-not-divisible": (["parallel.tp=2"], 3, "world size 3 is not divisible by parallel.tp * parallel.pp = 2 * 1 = 2"),
@@ -25,9 +27,16 @@ INVALID = {
     "interleaved-microbatches": (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=4", "train.micro_batch_size=4"], 2, "needs micro-batches per step divisible by parallel.pp"),
     "hidden-vs-heads": (["model.hidden_size=130"], 1, "model.hidden_size=130 is not divisible by model.num_attention_heads=4: set model.kv_channels"),
     "param-gather-needs-distopt": (["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"], 1, "parallel.overlap_param_gather=true needs parallel.dist_opt=true"),
-    "precision-choice": (["train.precision=fp16"], 1, "train.precision='fp16' is not one of fp32, bf16"),
-    "recompute-choice": (["model.recompute=some"], 1, "model.recompute='some' is not one of none, selective, full"),
-    "activation-choice": (["model.activation=relu"], 1, "model.activation='relu' is not one of gelu, swiglu"),
+    # choices are Enums in the schema: refused while composing, in one line
+    "precision-choice": (["train.precision=fp16"], 1, "train.precision: Invalid value 'fp16', expected one of [fp32, bf16]"),
+    "recompute-choice": (["model.recompute=some"], 1, "model.recompute: Invalid value 'some', expected one of [none, selective, full]"),
+    "activation-choice": (["model.activation=relu"], 1, "model.activation: Invalid value 'relu', expected one of [gelu, swiglu]"),
+    "fused-kernels-bool": (["model.fused_kernels=maybe"], 1, "model.fused_kernels: Value 'maybe' is not a valid bool"),
+    "unknown-key": (["model.num_experts=8"], 1, "model.num_experts: Key 'num_experts' not in 'ModelConfig' (to append"),
+    "integer-field": (["train.iters=ten"], 1, "train.iters: Value 'ten' of type 'str' could not be converted to Integer"),
+    "unknown-block": (["model.mlp=moe"], 1, "model.mlp=moe: unknown block 'moe': use one of self_attention, mlp, gated_mlp"),
+    "block-not-importable": (["model.mlp=models.nowhere:MLP"], 1, "block 'models.nowhere:MLP': cannot import models.nowhere:MLP"),
+    "block-without-counts": (["model.mlp=torch.nn:Linear"], 1, "block torch.nn:Linear has no num_params or flops_per_token"),
     "lr-below-min": (["optim.lr=1e-5", "optim.min_lr=1e-4"], 1, "optim.lr=1e-05 must be >= optim.min_lr=0.0001"),
     "dropout-range": (["model.hidden_dropout=1.5"], 1, "dropout must be in [0, 1)"),
     "blend-weights-count": (["data.paths=[a,b]", "data.weights=[1.0]"], 1, "data.weights has 1 entries but data.paths has 2"),
@@ -39,13 +48,20 @@ INVALID = {
 @pytest.mark.parametrize("case", list(INVALID))
 def test_invalid_config_is_a_one_line_error_before_any_process_group(case):
     overrides, world, fragment = INVALID[case]
-    cfg = compose(overrides)
     with pytest.raises(ConfigError) as err:
-        validate(cfg, world)
+        validate(compose(overrides), world)
     lines = str(err.value).splitlines()
     assert any(fragment in line for line in lines), lines
     assert len([line for line in lines if fragment in line]) == 1
     assert not dist.is_initialized()
+
+
+def test_dataclass_defaults_are_the_default_run():
+    """training/config.py's defaults equal what conf/config.yaml's default groups compose (the run dir's
+    config.yaml of a default run), so the schema documents the run a user gets."""
+    from training.config import Config
+
+    assert compose([]) == Config()
 
 
 def test_several_problems_are_all_reported_one_per_line():

@@ -52,7 +52,7 @@ def _convert(paths: dict, argvs: list[list[str]]) -> dict:
     sys.path.insert(0, str(ROOT / "tools"))
     import convert_hf
 
-    from training.hf import check_tokens, reference_logits
+    from training.tools.hf import check_tokens, reference_logits
 
     _hf_model(paths["hf"], tied=False, shard="100KB")  # sharded: several files + model.safetensors.index.json
     _hf_model(paths["hf_tied"], tied=True)
@@ -78,7 +78,7 @@ def _sabotaged_import(convert_hf, argv: list[str]) -> tuple[int, str, str]:
     conversion bug) instead of HF's rotate_half order, which ours shares: the check must fail (exit 1)."""
     from models import attention
 
-    original = attention.from_hf
+    original = attention.SelfAttention.from_hf
 
     def interleaved(get, config):
         hn = config.kv_channels
@@ -89,11 +89,11 @@ def _sabotaged_import(convert_hf, argv: list[str]) -> tuple[int, str, str]:
             return tensor.view(-1, hn, *tensor.shape[1:])[:, order].reshape(tensor.shape) if name[0] in "qk" else tensor
         return original(permuted, config)
 
-    attention.from_hf = interleaved
+    attention.SelfAttention.from_hf = staticmethod(interleaved)
     try:
         return _main(convert_hf, argv)
     finally:
-        attention.from_hf = original
+        attention.SelfAttention.from_hf = staticmethod(original)
 
 
 UNSUPPORTED = {"rope_scaling": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
@@ -102,8 +102,8 @@ UNSUPPORTED = {"rope_scaling": dict(rope_scaling={"rope_type": "llama3", "factor
 
 
 def _refusals() -> dict:
-    """training.hf.model_fields' error for each UNSUPPORTED change of a valid config.json."""
-    from training.hf import HFError, model_fields
+    """training.tools.hf.model_fields' error for each UNSUPPORTED change of a valid config.json."""
+    from training.tools.hf import HFError, model_fields
 
     base = dict(ARCH, model_type="llama", hidden_act="silu", tie_word_embeddings=False)
     assert model_fields(base)["num_query_groups"] == 2
@@ -121,8 +121,9 @@ def _mapping_round_trips() -> dict:
     {case: the HF names whose tensors did not come back exactly} (shapes only: the logits checks cover meaning)."""
     from types import SimpleNamespace
 
-    from models import GPTOptions
     from models import gpt as gpt_module
+    from models.shape import ModelShape
+    from training.config import ModelConfig
 
     out = {}
     for heads, groups, bias, tied in ((4, 1, False, True), (4, 4, True, False), (8, 2, True, True)):
@@ -130,7 +131,10 @@ def _mapping_round_trips() -> dict:
         config = SimpleNamespace(num_layers=2, num_attention_heads=heads, num_query_groups=groups, kv_channels=hn,
                                  add_bias_linear=bias, gated_linear_unit=True, normalization="RMSNorm",
                                  tensor_model_parallel_size=2)
-        options = GPTOptions(vocab_size=vocab, max_sequence_length=16, tie_embeddings=tied)
+        shape = ModelShape.of(ModelConfig(num_layers=2, hidden_size=h, num_attention_heads=heads,
+                                          num_query_groups=groups, kv_channels=hn, ffn_hidden_size=ffn,
+                                          vocab_size=vocab, seq_length=16, add_bias_linear=bias,
+                                          tie_embeddings=tied))
         shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
         if not tied:
             shapes["lm_head.weight"] = (vocab, h)
@@ -144,9 +148,9 @@ def _mapping_round_trips() -> dict:
             for name in ("input_layernorm", "post_attention_layernorm"):
                 shapes[f"model.layers.{i}.{name}.weight"] = (h,)
         hf = {name: torch.randn(shape) for name, shape in shapes.items()}
-        ours = dict(gpt_module.from_hf(hf.__getitem__, config, options))
+        ours = dict(gpt_module.from_hf(hf.__getitem__, config, shape))
         assert ours["embedding.word_embeddings.weight"].shape == (256, h)  # 101 padded to 128 * tp 2
-        back = dict(gpt_module.to_hf(ours.__getitem__, config, options))
+        back = dict(gpt_module.to_hf(ours.__getitem__, config, shape))
         out[f"np{heads} ng{groups} bias={bias} tied={tied}"] = sorted(
             set(hf) ^ set(back) | {n for n in hf if n in back and not torch.equal(hf[n], back[n])})
     return out
@@ -211,18 +215,20 @@ def _logits_at_layouts(jobs: list[tuple[str, str, str, list[str]]], tokens: torc
     2-process group; the model-parallel state is rebuilt per job) and return the gathered logits, if any."""
     from megatron.core import parallel_state
 
-    from training import checkpoint, dist as D, hf
+    from models.shape import ModelShape
+    from training import checkpoint, dist as D
     from training.build import build
     from training.compose import compose
+    from training.tools import hf
 
     out = {}
     for label, conf, ckpt, overrides in jobs:
         cfg = compose([f"hydra.searchpath=[file://{conf}]", *overrides, "checkpoint.dir=null",
                        f"checkpoint.load={ckpt}", "checkpoint.finetune=true"])
         info = D.init(tp=cfg.parallel.tp, pp=cfg.parallel.pp, timeout_minutes=2)
-        t = build(cfg, cfg.model.vocab_size, info.device)
-        checkpoint.maybe_load(cfg, t)
-        logits = hf.full_logits(t, tokens, cfg.model.vocab_size)
+        state = build(cfg, ModelShape.of(cfg.model), info.device)
+        checkpoint.maybe_load(cfg, state)
+        logits = hf.full_logits(state, tokens, cfg.model.vocab_size)
         if logits is not None:  # the last pipeline stage
             out[label] = logits
         parallel_state.destroy_model_parallel()

@@ -1,4 +1,4 @@
-"""training/cpu_compat.py: each patch, and each Megatron-Core piece it makes run on gloo.
+"""training/shims/cpu_compat.py: each patch, and each Megatron-Core piece it makes run on gloo.
 
 Pieces covered here: version pinning, scoping of the patches, the RNG tracker
 (model_parallel_cuda_manual_seed, fork), tensor_parallel.checkpoint's RNG replay, DDP with and
@@ -15,7 +15,7 @@ from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 
 
 def test_other_megatron_core_versions_are_refused_in_one_line():
-    from training.cpu_compat import McoreVersionError, check_mcore_version
+    from training.shims.cpu_compat import McoreVersionError, check_mcore_version
 
     check_mcore_version("0.19.2")
     with pytest.raises(McoreVersionError) as err:
@@ -25,7 +25,7 @@ def test_other_megatron_core_versions_are_refused_in_one_line():
 
 
 def _patch_scope():
-    from training import cpu_compat
+    from training.shims import cpu_compat
 
     assert cpu_compat.apply() is True
     import megatron.core.optimizer.optimizer as mcore_optimizer

@@ -2,12 +2,31 @@
 TensorBoard scalars, the resolved config and a checkpoint in the run dir."""
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"iteration", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gb"}
+
+
+@pytest.mark.fast
+def test_launch_two_steps_at_tp2(tmp_path):
+    """The fast tier's launch check: launch/train.sh (config check, torchrun, 2 processes) trains the default
+    model two steps at tp2, logs both and saves a checkpoint."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, NPROC="2", RUN_DIR=str(run_dir))
+    proc = subprocess.run(["launch/train.sh", "parallel.tp=2", "train.iters=2", "train.log_interval=1",
+                           "train.eval_interval=0", "train.tensorboard=false"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in lines] == [1, 2] and all(math.isfinite(r["loss"]) for r in lines)
+    assert REQUIRED <= set(lines[-1])
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
 
 
 def test_launch_train_sh_tp2_loss_falls_and_metrics_are_written(tmp_path):

@@ -1,4 +1,4 @@
-"""Engine behaviour beyond layouts: the NaN/Inf guard (stop or skip), the profiler window, metrics."""
+"""Engine behaviour beyond layouts: the NaN/Inf guard (stop or skip), the profiler window, extra-loss logs."""
 
 import json
 
@@ -47,19 +47,20 @@ def test_profiler_writes_a_trace_of_the_window(tmp_path):
     assert any("aten::" in str(e.get("name", "")) for e in events)
 
 
-def test_flops_formula_matches_megatron_closed_form():
-    """Our per-token count equals Megatron-LM's num_floating_point_operations closed form."""
-    from training.compose import compose
-    from training.metrics import model_flops_per_token
+def test_named_extra_losses_are_logged_like_the_loss(tmp_path):
+    """A block's extra loss (tests/blocks.py) reaches every sink the loss does, under its name, with no loop
+    edit: metrics.jsonl, the console line and TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    for preset in ("llama3_8b", "gpt2_124m"):
-        cfg = compose([f"model={preset}"])
-        m = cfg.model
-        h, s, L, V = m.hidden_size, m.seq_length, m.num_layers, 128256 if preset == "llama3_8b" else 50304
-        ffn, heads = m.ffn_hidden_size, m.num_attention_heads
-        groups = m.num_query_groups or heads
-        gated = 1.5 if m.activation == "swiglu" else 1.0
-        # Megatron-LM: 12 * s * L * h^2 * ((1 + g/n + s/(2h)) * (n*hn/h) + ffn/h * gated + V/(2Lh)) per sample
-        megatron = 12 * s * L * h * h * ((1 + groups / heads + s / h / 2) * (heads * (h // heads) / h)
-                                         + ffn / h * gated + V / (2 * L * h))
-        assert model_flops_per_token(cfg, V, ffn) * s == pytest.approx(megatron, rel=1e-12)
+    from blocks import PENALTY
+    from training.metrics import format_line
+
+    run_distributed(_train, 1, (QUICK + ["model.mlp=blocks:PenalizedMLP", "train.iters=2", "checkpoint=none",
+                                         "train.tensorboard=true"], str(tmp_path)), timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert all(r[PENALTY] > 0 for r in records) and records[0]["loss"] > 0
+    assert f"| {PENALTY} {records[1][PENALTY]:.4g} |" in format_line(records[1], 2)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars(PENALTY)] == pytest.approx([r[PENALTY] for r in records], rel=1e-6)

@@ -27,15 +27,18 @@ def _hang_on_rank_zero():
     import os
 
     if os.environ["RANK"] == "0":
-        time.sleep(60)
+        time.sleep(600)
     return "done"
+
+
+HANG_TIMEOUT = 30  # s: rank 1 (spawn + imports, ~5 s) must finish well inside it, also on a loaded 2-core machine
 
 
 def test_harness_reports_a_hang_as_a_timeout():
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 8 s"):
-        run_distributed(_hang_on_rank_zero, 2, timeout=8)
-    assert time.monotonic() - start < 40
+    with pytest.raises(AssertionError, match=rf"ranks \[0\] did not finish within {HANG_TIMEOUT} s"):
+        run_distributed(_hang_on_rank_zero, 2, timeout=HANG_TIMEOUT)
+    assert time.monotonic() - start < HANG_TIMEOUT + 60  # the hung rank is killed, not waited for
 
 
 def _peer_fails_inside_distributed():

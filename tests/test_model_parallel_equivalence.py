@@ -2,10 +2,12 @@
 
 Each case builds the GPT with the real engine at a layout (gloo processes), loads the single-process
 reference's full weights into its shards, runs one forward/backward through Megatron-Core's schedule
-on the same global batch, and compares the loss, the logits (PP=1) and every parameter's gradient
-(gathered back to full shape) with the reference: fp32, max|diff| / max|ref| <= 1e-5 per tensor.
+on the same global batch, and compares the loss, the named extra losses, the logits (PP=1) and every
+parameter's gradient (gathered back to full shape) with the reference: fp32, max|diff| / max|ref| <= 1e-5
+per tensor. Every rank's parameter count is also compared with the memory estimate's for its stage.
 
-The vocabulary (101) is not divisible by any tp used here: the padded rows must change nothing.
+The vocabulary (101) is not divisible by any tp used here: the padded rows must change nothing. Only the
+selected cases run (and the references they need): `make test-fast` runs the fast-marked ones.
 """
 
 import pytest
@@ -25,11 +27,15 @@ MODELS = {
     # hidden dropout on: replicated activations, masks from the default stream, identical on every TP rank
     # and equal to one process's. Attention dropout: see test_attention_dropout_rng_contract.
     "dropout": ["model.hidden_dropout=0.2"],
+    # the README's add-a-block example, picked by the config alone (models/gated_mlp.py)
+    "gated": ["model.mlp=gated_mlp"],
+    # a block from a file outside models/ with a named extra loss (tests/blocks.py)
+    "penalized": ["model.mlp=blocks:PenalizedMLP"],
 }
 ATTENTION_DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "parallel.tp=2"]
 # bf16 at tp2, unfused and fused (SwiGLU + Megatron-Core's vocab-parallel cross entropy, bf16 only)
-BF16 = {"bf16": ["train.precision=bf16", "parallel.tp=2", "model.fused_kernels=off"],
-        "bf16-fused": ["train.precision=bf16", "parallel.tp=2", "model.fused_kernels=on"]}
+BF16 = {"bf16": ["train.precision=bf16", "parallel.tp=2", "model.fused_kernels=false"],
+        "bf16-fused": ["train.precision=bf16", "parallel.tp=2", "model.fused_kernels=true"]}
 
 # (model, layout overrides, processes)
 CASES = {
@@ -42,39 +48,56 @@ CASES = {
     "tp2-recompute-full": ("llama", ["parallel.tp=2", "model.recompute=full"], 2),
     "tp2-sp-recompute-selective": ("llama", ["parallel.tp=2", "parallel.sp=true", "model.recompute=selective"], 2),
     # Megatron-Core's compiled SwiGLU and vocab-parallel cross entropy (on by default on GPUs), vs unfused
-    "tp2-fused-kernels": ("llama", ["parallel.tp=2", "model.fused_kernels=on"], 2),
+    "tp2-fused-kernels": ("llama", ["parallel.tp=2", "model.fused_kernels=true"], 2),
     "gpt2-tp2": ("gpt2", ["parallel.tp=2"], 2),
     "gpt2-pp2-untied": ("gpt2", ["parallel.pp=2"], 2),
     "dropout-tp2": ("dropout", ["parallel.tp=2"], 2),
     "dropout-tp2-recompute-full": ("dropout", ["parallel.tp=2", "model.recompute=full"], 2),
+    "gated-tp2": ("gated", ["parallel.tp=2"], 2),
+    "gated-pp2": ("gated", ["parallel.pp=2"], 2),
+    "penalized-tp2": ("penalized", ["parallel.tp=2"], 2),
+    "penalized-tp2-sp": ("penalized", ["parallel.tp=2", "parallel.sp=true"], 2),
+    "penalized-pp2-vpp2": ("penalized", ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1"], 2),
+    "penalized-dp2": ("penalized", ["train.micro_batch_size=1"], 2),
 }
+FAST = {"tp2", "pp2-tied", "gated-tp2", "gated-pp2"}  # the default model and the example block at tp2 and pp2
+EXTRAS = ("attn-dropout", "attn-dropout-recompute-full", *BF16)  # cases of the tests below the first
 
 BATCH = make_batch(global_batch=4, seq=16)
 
 
+def _selected(request) -> tuple[set[str], bool]:
+    """The CASES this session runs, and whether any test of the extra cases runs."""
+    items = [item for item in request.session.items if item.module is request.module]
+    cases = {item.callspec.params["case"] for item in items if hasattr(item, "callspec")}
+    return cases, any(not hasattr(item, "callspec") for item in items)
+
+
 @pytest.fixture(scope="module")
-def runs():
-    """The references (one process) and every case, each world size's cases in one process group."""
-    refs = dict(zip(MODELS, run_layouts([(model_overrides(*extra), None, 1, True) for extra in MODELS.values()],
-                                        1, BATCH)))
+def runs(request):
+    """The references (one process) and the selected cases, each world size's cases in one process group."""
+    selected, with_extras = _selected(request)
+    models = {CASES[n][0] for n in selected} | ({"llama"} if with_extras else set())
+    refs = dict(zip(models, run_layouts([(model_overrides(*MODELS[m]), None, 1, True) for m in models], 1, BATCH)))
     for model, ref in refs.items():
         if isinstance(ref, Exception):
             raise AssertionError(f"reference {model} failed") from ref
     cases = {}
-    for world in sorted({world for _, _, world in CASES.values()}):
-        names = [name for name, (_, _, w) in CASES.items() if w == world]
+    for world in sorted({world for _, _, world in CASES.values()} | ({2} if with_extras else set())):
+        names = [name for name, (_, _, w) in CASES.items() if w == world and name in selected]
         specs = [(model_overrides(*MODELS[CASES[n][0]], *CASES[n][1]), refs[CASES[n][0]]["params"], 1, True)
                  for n in names]
-        if world == 2:  # the attention-dropout pair and the bf16 pair ride along in the 2-process group
-            names += ["attn-dropout", "attn-dropout-recompute-full", *BF16]
+        if world == 2 and with_extras:  # the attention-dropout pair and the bf16 pair ride along
+            names += list(EXTRAS)
             specs += [(model_overrides(*ATTENTION_DROPOUT, *extra), refs["llama"]["params"], 1, False)
                       for extra in ([], ["model.recompute=full"])]
             specs += [(model_overrides(*extra), refs["llama"]["params"], 1, True) for extra in BF16.values()]
-        cases.update(zip(names, run_layouts(specs, world, BATCH)))
+        if names:
+            cases.update(zip(names, run_layouts(specs, world, BATCH)))
     return refs, cases
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.fast) if c in FAST else c for c in CASES])
 def test_layout_matches_single_process(case, runs):
     refs, cases = runs
     ref, out = refs[CASES[case][0]], cases[case]
@@ -82,6 +105,11 @@ def test_layout_matches_single_process(case, runs):
         raise out
 
     assert out["losses"][0] == pytest.approx(ref["losses"][0], rel=RTOL)
+    assert set(out["extra"][0]) == set(ref["extra"][0])
+    for name, value in ref["extra"][0].items():
+        assert value > 0 and out["extra"][0][name] == pytest.approx(value, rel=RTOL), (name, out["extra"])
+    for built, estimated in out["counts"]:  # every rank: the built parameters = the estimate for its stage
+        assert built == estimated, out["counts"]
     if "logits" in ref and "logits" in out:
         assert out["logits"].shape == ref["logits"].shape
         assert max_rel_diff(out["logits"], ref["logits"]) <= RTOL

@@ -15,7 +15,9 @@ import torch
 
 from harness import run_distributed
 from training.compose import compose
-from training.memory import Layout, estimate, layer_activations, stage_params
+from models.gpt import num_params
+from models.shape import ModelShape
+from training.tools.memory import Layout, estimate, layer_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,20 +41,21 @@ def test_gpt2_124m_matches_korthikanti_by_hand():
     params = 12 * layer + 50_304 * 768 + 1_024 * 768 + 1_536
     assert params == 124_475_904
     dp4 = Layout(tp=1, pp=1, vpp=None, dp=4, sp=False, dist_opt=False, recompute="none")
-    est = estimate(cfg, dp4, vocab_size=50_257, num_microbatches=1, flash_attention=False)
+    shape = ModelShape.of(cfg.model, 50_257)
+    est = estimate(cfg, shape, dp4, num_microbatches=1, flash_attention=False)
     assert est.params_total == est.params_per_gpu == params
     assert est.weights_and_optimizer == 18 * params == 2_240_566_272  # 2 + 4 + 4 + 4 + 4 bytes
-    with_dist_opt = estimate(cfg, Layout(1, 1, None, 4, False, True, "none"), 50_257, 1, flash_attention=False)
+    with_dist_opt = estimate(cfg, shape, Layout(1, 1, None, 4, False, True, "none"), 1, flash_attention=False)
     assert with_dist_opt.weights_and_optimizer == (6 + 12 / 4) * params == 1_120_283_136
 
     # Korthikanti Table 2, s=1024 b=4 h=768 a=12: sbh(34 + 5as/h) = 3,145,728 * (34 + 80) per layer
     sbh = 1_024 * 4 * 768
-    assert layer_activations(cfg, dp4, flash_attention=False) == sbh * (34 + 5 * 12 * 1_024 / 768) == 358_612_992
+    assert layer_activations(cfg, shape, dp4, flash_attention=False) == sbh * (34 + 5 * 12 * 1_024 / 768) == 358_612_992
     tp2 = Layout(2, 1, None, 2, False, False, "none")  # TP without SP: sbh(10 + 24/t + 5as/(ht))
-    assert layer_activations(cfg, tp2, False) == sbh * (10 + 24 / 2 + 5 * 12 * 1_024 / (768 * 2))
+    assert layer_activations(cfg, shape, tp2, False) == sbh * (10 + 24 / 2 + 5 * 12 * 1_024 / (768 * 2))
     tp2_sp_selective = Layout(2, 1, None, 2, True, False, "selective")  # sbh * 34 / t
-    assert layer_activations(cfg, tp2_sp_selective, False) == sbh * 34 / 2
-    assert layer_activations(cfg, Layout(1, 1, None, 4, False, False, "full"), False) == 2 * sbh  # input only
+    assert layer_activations(cfg, shape, tp2_sp_selective, False) == sbh * 34 / 2
+    assert layer_activations(cfg, shape, Layout(1, 1, None, 4, False, False, "full"), False) == 2 * sbh  # input only
     # the step's peak: 12 layers, + the final norm and output-layer inputs (2 * 2sbh), + the bf16 logits
     # and the fp32 softmax of cross-entropy ((2 + 4) * s * b * V)
     assert est.activations == 12 * 358_612_992 + 4 * sbh + 6 * 1_024 * 4 * 50_304 == 5_552_209_920
@@ -68,14 +71,15 @@ def test_llama2_7b_tp2_pp2_by_hand():
     assert 32 * (split + 8_192) + 2 * 32_000 * 4_096 + 4_096 == 6_738_415_616  # Llama 2 7B's published count
     per_rank_layer = split // 2 + 8_192  # TP halves the linear weights; norms are replicated
     first = 16 * per_rank_layer + 32_000 * 4_096 // 2  # 16 layers + half the embedding
-    assert stage_params(cfg.model, 32_000, tp=2, pp=2, stage=0) == first == 1_684_668_416
+    shape = ModelShape.of(cfg.model, 32_000)
+    assert num_params(shape, tp=2, pp=2, stage=0) == first == 1_684_668_416
     # last stage: the same layers, the final norm (4,096) and an output layer the size of the embedding
-    assert stage_params(cfg.model, 32_000, tp=2, pp=2, stage=1) == first + 4_096
+    assert num_params(shape, tp=2, pp=2, stage=1) == first + 4_096
     lay = Layout(tp=2, pp=2, vpp=None, dp=2, sp=True, dist_opt=True, recompute="none")
-    est = estimate(cfg, lay, vocab_size=32_000, num_microbatches=4)  # m = 8 / (1 * 2)
+    est = estimate(cfg, shape, lay, num_microbatches=4)  # m = 8 / (1 * 2)
     assert est.stage == 0
     assert est.weights_and_optimizer == (6 + 12 / 2) * first == 20_216_020_992
-    assert estimate(cfg, Layout(2, 2, None, 2, True, False, "none"), 32_000, 4).weights_and_optimizer == 18 * first
+    assert estimate(cfg, shape, Layout(2, 2, None, 2, True, False, "none"), 4).weights_and_optimizer == 18 * first
 
     # one layer, s=4096 b=1 h=4096, bf16, tp=2 with SP, flash attention (no s x s scores), in bytes:
     #   norm + linear inputs, sequence-sharded: 2 * 4 * sbh / 2          = 67,108,864
@@ -83,12 +87,12 @@ def test_llama2_7b_tp2_pp2_by_hand():
     #   RoPE's rotated Q and K:                   2 * s*b*(4096 + 4096) / 2     = 33,554,432
     #   SwiGLU: fc1 out (2f), SiLU(gate), product: 2 * s*b*4*11008 / 2        = 180,355,072
     per_layer = 67_108_864 + 67_108_864 + 33_554_432 + 180_355_072
-    assert layer_activations(cfg, lay, flash_attention=True) == per_layer == 348_127_232
+    assert layer_activations(cfg, shape, lay, flash_attention=True) == per_layer == 348_127_232
     # 1F1B: stage 0 holds pp = 2 micro-batches of its 16 layers
     assert est.activations == 2 * 16 * per_layer == 11_140_071_424
     assert est.mem_gb() == {"weights_and_optimizer": 20.216, "activations": 11.14, "total": 31.356}
     # interleaved (vpp=2): (1 + (pp-1)/(pp*vpp)) = 1.25 times the 32 layer-micro-batches
-    vpp2 = estimate(cfg, Layout(2, 2, 2, 2, True, True, "none"), 32_000, 4)
+    vpp2 = estimate(cfg, shape, Layout(2, 2, 2, 2, True, True, "none"), 4)
     assert vpp2.activations == 32 * 1.25 * per_layer
 
 
@@ -125,7 +129,7 @@ def _state_bytes(overrides: list[str], vocab_size: int) -> list[int]:
     from training import dist as D
     from training.build import build
     from training.data import MicroBatches
-    from training.loop import train_step
+    from training.step import train_step
     from training.validate import validate
 
     out = []
@@ -133,19 +137,19 @@ def _state_bytes(overrides: list[str], vocab_size: int) -> list[int]:
         for dist_opt in (False, True):
             cfg = compose([*overrides, f"parallel.dist_opt={str(dist_opt).lower()}"])
             derived = validate(cfg)
-            t = build(cfg, vocab_size, info.device)
+            state = build(cfg, ModelShape.of(cfg.model, vocab_size), info.device)
             text = torch.randint(0, vocab_size, (4, cfg.model.seq_length + 1),
                                  generator=torch.Generator().manual_seed(0))
             batch = [{"tokens": r[:-1], "labels": r[1:], "loss_mask": torch.ones(cfg.model.seq_length)} for r in text]
-            train_step(t, MicroBatches(batch, 0, cfg.train.micro_batch_size, 1, 0), derived, cfg, info.device)
-            tensors = [p for chunk in t.model for p in chunk.parameters()]
-            tensors += [b for chunk in t.model for buf in chunk.buffers for b in (buf.grad_data, buf.param_data)]
-            for opt in getattr(t.optimizer, "chained_optimizers", [t.optimizer]):
+            train_step(state, MicroBatches(batch, 0, cfg.train.micro_batch_size, 1, 0), derived, cfg, info.device)
+            tensors = [p for chunk in state.model for p in chunk.parameters()]
+            tensors += [b for chunk in state.model for buf in chunk.buffers for b in (buf.grad_data, buf.param_data)]
+            for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
                 tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
                 tensors += [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
             storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors if x is not None}
             out.append(sum(storages.values()))
-            del t
+            del state
     return out
 
 
@@ -156,17 +160,18 @@ def test_measured_weights_grads_optimizer_match_the_estimate():
     measured = run_distributed(_state_bytes, 1, (overrides, vocab_size), timeout=240)[0]
     for dist_opt, got in zip((False, True), measured):
         lay = Layout(tp=1, pp=1, vpp=None, dp=1, sp=False, dist_opt=dist_opt, recompute="none")
-        expected = estimate(compose(overrides), lay, vocab_size, num_microbatches=2).weights_and_optimizer
+        cfg = compose(overrides)
+        expected = estimate(cfg, ModelShape.of(cfg.model, vocab_size), lay, num_microbatches=2).weights_and_optimizer
         assert abs(got - expected) / expected < 0.02, (dist_opt, got, expected)
 
 
 def test_preflight_reports_on_cpu_and_stops_what_cannot_fit(tmp_path, capsys):
     from training.errors import ConfigError
-    from training.preflight import check, preflight
+    from training.tools.preflight import check, preflight
     from training.validate import validate
 
     cfg = compose(["model=tiny"])
-    est = preflight(cfg, validate(cfg, 1), torch.device("cpu"), tmp_path, vocab_size=257)
+    est = preflight(cfg, validate(cfg, 1), ModelShape.of(cfg.model, 257), torch.device("cpu"), tmp_path)
     assert "CPU: reported, not enforced" in capsys.readouterr().out
     report = json.loads((tmp_path / "environment.json").read_text())
     assert report["packages"]["megatron-core"] == "0.19.2" and report["packages"]["torch"] == torch.__version__

@@ -15,7 +15,7 @@ RoPE, tied; 0.8M parameters) at 16 x 128 tokens per step in 4 micro-batches of 4
 35 timed steps)) in about a minute.
 
 Every timed step is a real training step, forward + backward + optimizer, through training.build.build
-and training.loop.train_step on one fixed synthetic global batch: it times compute and communication,
+and training.step.train_step on one fixed synthetic global batch: it times compute and communication,
 not data loading. With --compare-mcore, Megatron-Core's GPTModel (its local spec, or
 its Transformer Engine spec with --te) is built by the same build() with our weights copied in, its loss
 on the batch is checked against ours, and the two alternate A B A B ... in `--windows` windows of
@@ -33,14 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.noise import quiet_known_noise  # noqa: E402
+from training.shims.noise import quiet_known_noise  # noqa: E402
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -75,13 +74,16 @@ def measure(args) -> dict:
     """Runs on every rank inside one process group; returns the result (rank 0's timings)."""
     import torch
 
-    from models.gpt import padded_vocab_size
-    from training import benchmark as bm, dist as D
+    from models.gpt import flops_per_token
+    from models.shape import ModelShape
+    from training import dist as D
     from training.build import build
     from training.compose import compose
-    from training.loop import forward_step, global_loss, run_schedule
-    from training.metrics import memory_gb, model_flops_per_token, peak_tflops
+    from training.losses import global_loss
+    from training.metrics import memory_gb, peak_tflops
+    from training.step import forward_step, run_schedule
     from training.tokenizer import build_tokenizer
+    from training.tools import benchmark as bm
     from training.validate import validate
 
     cfg = compose(args.overrides)
@@ -89,21 +91,23 @@ def measure(args) -> dict:
     p, m = cfg.parallel, cfg.model
     with D.distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, timeout_minutes=p.timeout_minutes) as info:
         device = info.device
-        vocab = m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
+        shape = ModelShape.of(m, m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size)
         if args.compare_mcore:  # equal work: no padded (masked) vocabulary rows in either model
-            vocab = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, p.tp)
-        ours = build(cfg, vocab, device)
+            shape = ModelShape.of(m, shape.padded_vocab(p.tp))
+        vocab = shape.vocab_size
+        ours = build(cfg, shape, device)
         batch = bm.synthetic_batch(cfg, vocab)
-        ours_iters = bm.batch_iterators(ours, batch, cfg, derived)
+        ours_streams = bm.batch_streams(ours, batch, cfg)
 
         def run_ours(n):
-            return bm.time_steps(ours, ours_iters, derived, cfg, device, n)
+            return bm.time_steps(ours, ours_streams, derived, cfg, device, n)
 
-        def loss_of(t, iters, step=forward_step):  # forward only, the global-batch token-mean loss
-            return global_loss(run_schedule(t, iters(), derived, cfg, forward_only=True, step=step), device).item()
+        def loss_of(state, streams, step=forward_step):  # forward only, the global-batch token-mean loss
+            reports = run_schedule(state, streams(), derived, cfg, forward_only=True, step=step)
+            return global_loss(reports, device).item()
 
-        padded = bm.inner(ours.model[0]).padded_vocab_size
-        flops_per_step = model_flops_per_token(cfg, padded, ours.config.ffn_hidden_size) * derived.tokens_per_step
+        padded = shape.padded_vocab(p.tp)
+        flops_per_step = flops_per_token(shape, p.tp) * derived.tokens_per_step
         peak = peak_tflops(device, cfg.train.precision)
         load_before = os.getloadavg()
         run_ours(args.warmup)
@@ -117,15 +121,15 @@ def measure(args) -> dict:
             resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            mcore = bm.build_mcore(cfg, vocab, device, use_te=args.te)
+            mcore = bm.build_mcore(cfg, shape, device, use_te=args.te)
             bm.copy_weights(ours, mcore)
-            mcore_iters = bm.batch_iterators(mcore, batch, cfg, derived)
-            result["loss_mcore"] = loss_of(mcore, mcore_iters, bm.mcore_forward_step)
-            result["loss_ours"] = loss_of(ours, ours_iters)
+            mcore_streams = bm.batch_streams(mcore, batch, cfg)
+            result["loss_mcore"] = loss_of(mcore, mcore_streams, bm.mcore_forward_step)
+            result["loss_ours"] = loss_of(ours, ours_streams)
             result["loss_rel_diff"] = abs(result["loss_ours"] - result["loss_mcore"]) / abs(result["loss_mcore"])
 
             def run_mcore(n):
-                return bm.time_steps(mcore, mcore_iters, derived, cfg, device, n, step=bm.mcore_forward_step)
+                return bm.time_steps(mcore, mcore_streams, derived, cfg, device, n, step=bm.mcore_forward_step)
 
             run_mcore(args.warmup)
             result.update(bm.paired_windows(run_ours, run_mcore, args.windows, args.steps))
@@ -146,7 +150,7 @@ def measure(args) -> dict:
                       mfu=None if peak is None else tflops / peak, mem_gb=mem_ours,
                       load_avg_1m=[load_before[0], os.getloadavg()[0]])
         if args.breakdown:
-            result["breakdown"] = bm.breakdown(ours, ours_iters, derived, cfg, device, args.windows * args.steps)
+            result["breakdown"] = bm.breakdown(ours, ours_streams, derived, cfg, device, args.windows * args.steps)
         if args.profile:
             print(f"--- ours: top {args.profile} ops of 3 steps ---\n{profile_table(run_ours, args.profile)}",
                   file=sys.stderr)
@@ -179,50 +183,49 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> dict | None:
-    """In this process (torchrun or a spawned worker): measure; rank 0 prints."""
+def run(args) -> int:
+    """In this process (torchrun or a spawned worker): measure; rank 0 prints. 2 on the user's error."""
     import torch
+
+    from training.errors import exit_on_error
 
     quiet_known_noise()
     if not torch.cuda.is_available():
         world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
-    from training.errors import TemplateError
 
-    try:
+    def measure_and_print():
         result = measure(args)
-    except TemplateError as error:  # the user's to fix: one line, exit 2 (as train.py)
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(result) if args.json else report(result), flush=True)
-    return result
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(result) if args.json else report(result), flush=True)
+
+    return exit_on_error(measure_and_print)
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run(args)
+    if code := run(args):
+        raise SystemExit(code)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    from training.net import free_port
+
     args = parse_args(argv)
     if "RANK" in os.environ:  # torchrun
-        run(args)
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return run(args)
     if args.nproc == 1:
-        _worker(0, 1, port, args)
-        return
+        _worker(0, 1, free_port(), args)
+        return 0
     import torch.multiprocessing as mp
 
     try:
-        mp.start_processes(_worker, args=(args.nproc, port, args), nprocs=args.nproc, start_method="spawn")
+        mp.start_processes(_worker, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="spawn")
     except mp.ProcessExitedException as error:  # a worker's SystemExit (its error is printed already)
-        raise SystemExit(error.exit_code or 1) from None
+        return error.exit_code or 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,35 +28,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.errors import TemplateError  # noqa: E402
-from training.noise import quiet_known_noise  # noqa: E402
+from training.errors import TemplateError, exit_on_error  # noqa: E402
+from training.shims.noise import quiet_known_noise  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
-# model fields that config.json fixes; other model.* fields (seq_length, name, recompute, ...) may be overridden
-DERIVED_ONLY = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "kv_channels", "vocab_size", "position_embedding", "rotary_base", "normalization",
-                "norm_epsilon", "activation", "add_bias_linear", "tie_embeddings")
 
+def fixed_by_config_json() -> tuple[str, ...]:
+    """The model.* fields config.json fixes (the shape's "weights" and "numerics" fields, models/shape.py);
+    the others (seq_length, name, recompute, dropout, ...) may be overridden."""
+    from models.shape import NUMERICS, WEIGHTS, ModelShape
 
-def single_process_env() -> None:
-    """A world of one on a free local port (unless started by torchrun)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return ModelShape.config_fields(WEIGHTS, NUMERICS)
 
 
 def empty_dir(path: Path, what: str) -> Path:
@@ -66,13 +58,13 @@ def empty_dir(path: Path, what: str) -> Path:
     return path
 
 
-def check(t, vocab_size: int, seq_length: int, hf_dir: Path, precision: str, tolerance: float | None) -> bool:
+def check(state, vocab_size: int, seq_length: int, hf_dir: Path, precision: str, tolerance: float | None) -> bool:
     """Our logits vs transformers' on the same tokens; prints both differences, True when within tolerance."""
-    from training import hf
+    from training.tools import hf
     from training.dist import current_device
 
     tokens = hf.check_tokens(vocab_size, seq_length)
-    ours = hf.full_logits(t, tokens.to(current_device()), vocab_size).cpu()
+    ours = hf.full_logits(state, tokens.to(current_device()), vocab_size).cpu()
     reference = hf.reference_logits(hf_dir, tokens)
     worst, relative = hf.logits_diff(ours, reference)
     limit = tolerance if tolerance is not None else hf.BF16_TOLERANCE if precision == "bf16" else hf.FP32_TOLERANCE
@@ -86,10 +78,12 @@ def check(t, vocab_size: int, seq_length: int, hf_dir: Path, precision: str, tol
 def do_import(args, overrides: list[str]) -> bool:
     from omegaconf import OmegaConf
 
-    from training import checkpoint, dist as D, hf
+    from models.shape import ModelShape
+    from training import checkpoint, dist as D
     from training.build import build
     from training.compose import compose
     from training.config import ParallelConfig
+    from training.tools import hf
     from training.validate import validate
 
     hf_dir = Path(args.hf_dir)
@@ -97,7 +91,7 @@ def do_import(args, overrides: list[str]) -> bool:
         raise TemplateError(f"{hf_dir} has no config.json: point --hf-dir at a downloaded Hugging Face model")
     fields = hf.model_fields(json.loads((hf_dir / "config.json").read_text()))
     overridden = {o.split("=")[0].lstrip("+~") for o in overrides}
-    fixed = sorted(f"model.{k}" for k in DERIVED_ONLY if f"model.{k}" in overridden)
+    fixed = sorted(f"model.{k}" for k in fixed_by_config_json() if f"model.{k}" in overridden)
     if fixed or any(k.startswith("parallel.") for k in overridden):
         raise TemplateError(f"not overridable on import: {fixed or 'parallel.*'} (the shape comes from "
                             f"config.json; import runs in one process; train at any layout afterwards)")
@@ -110,18 +104,19 @@ def do_import(args, overrides: list[str]) -> bool:
     cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)
     cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = str(Path(args.out).resolve()), None, False
     validate(cfg, world_size=1)
+    shape = ModelShape.of(cfg.model)
     preset = Path(args.preset_out) if args.preset_out else ROOT / "conf" / "model" / f"{cfg.model.name}.yaml"
     if preset.exists() and not args.force:
         raise TemplateError(f"preset {preset} exists: pass another --preset-out (or --name), or --force")
     empty_dir(Path(cfg.checkpoint.dir), "--out")
     start = time.perf_counter()
     with D.distributed(tp=1, pp=1, seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes) as info:
-        t = build(cfg, cfg.model.vocab_size, info.device, init=False, train=False)  # every weight is loaded
+        state = build(cfg, shape, info.device, init=False, train=False)  # every weight is loaded
         weights = hf.HFWeights(hf_dir)
-        count = hf.load_hf_weights(t, weights)
+        count = hf.load_hf_weights(state, weights)
         if unread := weights.unread(tied=cfg.model.tie_embeddings):
             raise hf.HFError(f"tensors our Llama-style GPT has no place for (another architecture?): {unread[:8]}")
-        checkpoint.save(cfg, t, iteration=0, consumed_samples=0, model_only=True)
+        checkpoint.save(cfg, state, iteration=0, consumed_samples=0, model_only=True)
         preset.parent.mkdir(parents=True, exist_ok=True)
         preset.write_text(f"# {cfg.model.name}: imported from {hf_dir.resolve()} by tools/convert_hf.py (derived from "
                           f"its config.json;\n# the shape fields must match the checkpoint's weights).\n"
@@ -131,21 +126,24 @@ def do_import(args, overrides: list[str]) -> bool:
         print(f"imported {count / 1e6:.2f}M parameters in {time.perf_counter() - start:.1f} s: checkpoint "
               f"{cfg.checkpoint.dir}, preset {preset}\ntrain it with: {select} checkpoint.load={cfg.checkpoint.dir} "
               f"checkpoint.finetune=true", flush=True)
-        return not args.check or check(t, cfg.model.vocab_size, cfg.model.seq_length, hf_dir,
+        return not args.check or check(state, cfg.model.vocab_size, cfg.model.seq_length, hf_dir,
                                        cfg.train.precision, args.tolerance)
 
 
 def do_export(args) -> bool:
-    from training import checkpoint, dist as D, hf
+    from models.shape import ModelShape
+    from training import checkpoint, dist as D
     from training.build import build
     from training.config import ParallelConfig, to_config
+    from training.tools import hf
 
     path = checkpoint.resolve_path(args.ckpt)
     run = json.loads((path / checkpoint.RUN_FILE).read_text())
     cfg = to_config(run["config"])
     cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)  # tp1 pp1: load reshards
     cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = None, str(path), True  # weights only
-    hf_config = hf.llama_config(run["config"]["model"], run["vocab_size"], cfg.train.precision)
+    shape = ModelShape.of(cfg.model, run["vocab_size"])
+    hf_config = hf.llama_config(shape, cfg.model, cfg.train.precision)
     source = Path(args.tokenizer_dir) / "config.json" if args.tokenizer_dir else None
     if source is not None and source.is_file():  # the tokenizer's special token ids
         for key, value in json.loads(source.read_text()).items():
@@ -154,17 +152,17 @@ def do_export(args) -> bool:
     out = empty_dir(Path(args.out), "--out")
     start = time.perf_counter()
     with D.distributed(tp=1, pp=1, seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes) as info:
-        t = build(cfg, run["vocab_size"], info.device, init=False, train=False)
-        checkpoint.maybe_load(cfg, t)
+        state = build(cfg, shape, info.device, init=False, train=False)
+        checkpoint.maybe_load(cfg, state)
         hf_config.save_pretrained(str(out))
-        size = hf.write_safetensors(hf.hf_tensors(t), out, int(args.max_shard_gb * 2**30))
+        size = hf.write_safetensors(hf.hf_tensors(state), out, int(args.max_shard_gb * 2**30))
         for name in TOKENIZER_FILES if args.tokenizer_dir else ():
             if (Path(args.tokenizer_dir) / name).is_file():
                 shutil.copy(Path(args.tokenizer_dir) / name, out / name)
         print(f"exported {path} (saved at tp/pp {run['layout']['tp']}/{run['layout']['pp']}, iteration "
               f"{run['iteration']}) to {out}: {size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s",
               flush=True)
-        return not args.check or check(t, run["vocab_size"], cfg.model.seq_length, out, cfg.train.precision,
+        return not args.check or check(state, run["vocab_size"], cfg.model.seq_length, out, cfg.train.precision,
                                        args.tolerance)
 
 
@@ -189,25 +187,26 @@ def parse(argv: list[str]):
     return parser.parse_known_args(argv)
 
 
-def main(argv: list[str]) -> int:
+def convert(argv: list[str]) -> int:
+    from training.dist import single_process_env
+
     args, overrides = parse(argv)
     if args.command == "export" and overrides:
-        print(f"error: export takes no overrides (the checkpoint's run.json defines the model): {overrides}",
-              file=sys.stderr)
-        return 2
+        raise TemplateError(f"export takes no overrides (the checkpoint's run.json defines the model): {overrides}")
     quiet_known_noise()
     single_process_env()
     try:
         ok = do_import(args, overrides) if args.command == "import" else do_export(args)
-    except TemplateError as err:
-        print("\n".join(f"error: {line}" for line in str(err).splitlines()), file=sys.stderr, flush=True)
-        return 2
     except ImportError as err:
         if err.name not in ("transformers", "safetensors"):
             raise
-        print(f"error: {err}: install the Hugging Face extra: pip install -e '.[hf]'", file=sys.stderr, flush=True)
-        return 2
+        raise TemplateError(f"{err}: install the Hugging Face extra: pip install -e '.[hf]'") from err
     return 0 if ok else 1
+
+
+def main(argv: list[str]) -> int:
+    """convert(argv), with the user's errors as one line each and exit code 2."""
+    return exit_on_error(convert, argv)
 
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing's save re-imports __main__

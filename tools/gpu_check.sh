@@ -35,9 +35,9 @@ run=(env NPROC=1 RUN_DIR="$OUT/run" launch/train.sh train.precision=bf16 paralle
 step train 300 "${run[@]}" train.iters=30
 step resume 300 "${run[@]}" train.iters=40
 bench=("$PYTHON" tools/bench.py experiment=llama_1b_single_gpu --json --warmup 2 --windows 4)
-step bench_fused_off 300 "${bench[@]}" model.fused_kernels=off
-step bench_fused_on 300 "${bench[@]}" model.fused_kernels=on
-step bench_fused_on_no_recompute 300 "${bench[@]}" model.fused_kernels=on model.recompute=none
+step bench_fused_off 300 "${bench[@]}" model.fused_kernels=false
+step bench_fused_on 300 "${bench[@]}" model.fused_kernels=true
+step bench_fused_on_no_recompute 300 "${bench[@]}" model.fused_kernels=true model.recompute=none
 
 "$PYTHON" - "$OUT" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, pathlib, sys

@@ -1,5 +1,5 @@
 """Layout planner: every valid (tp, pp, vpp, sp, dist_opt, recompute) for a model on nodes x GPUs, with
-the per-GPU memory estimate of training/memory.py, the pipeline bubble and the communication volume per
+the per-GPU memory estimate of training/tools/memory.py, the pipeline bubble and the communication volume per
 step; ranked, and the best layout that fits is recommended with the overrides that select it.
 
     python tools/plan.py model=llama2_7b plan.gpus_per_node=8 plan.nodes=1 plan.gpu_mem_gb=80
@@ -38,13 +38,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.noise import quiet_known_noise  # noqa: E402
+from training.shims.noise import quiet_known_noise  # noqa: E402
 
 PLAN_DEFAULTS = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_gb": 80.0, "flash_attention": True,
                  "tflops": 400.0, "link_gbps": 200.0, "internode_gbps": 40.0, "top": 15}  # reasons: docstring
 P2P_MESSAGE_S = 100e-6  # one pipeline send or receive: NCCL launch, the schedule's wait, small-message latency
 DP_EXPOSED = 0.1  # share of the DP traffic not hidden behind the backward pass
-RECOMPUTE = ("none", "selective", "full")
 
 
 def parse_args(argv: list[str]) -> tuple[dict, list[str], bool]:
@@ -83,15 +82,15 @@ def divisors(n: int) -> list[int]:
 def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
     """[(Layout, config with that layout)] for every layout training/validate.py accepts at this world,
     and the problems of the first rejected one (all of them rejected = a problem no layout can fix)."""
-    from training.memory import Layout
+    from training.config import Recompute
+    from training.tools.memory import Layout
     from training.validate import problems
 
     m, p = cfg.model, cfg.parallel
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
     found_first: list[str] = []
     valid = []
     for tp in divisors(gpus_per_node):
-        if world % tp or ffn % tp:  # validate.py does not check ffn; ColumnParallelLinear would fail
+        if world % tp:
             continue
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
@@ -99,7 +98,7 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
             for vpp in [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []):
                 for sp in ([False, True] if tp > 1 else [False]):
                     for dist_opt in ([False, True] if dp > 1 else [False]):  # dp=1: nothing to shard
-                        for recompute in RECOMPUTE:
+                        for recompute in Recompute:
                             parallel = dataclasses.replace(
                                 p, tp=tp, pp=pp, vpp=vpp, sp=sp, dist_opt=dist_opt,
                                 overlap_param_gather=p.overlap_param_gather and dist_opt)
@@ -109,34 +108,30 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
                             if found:
                                 found_first = found_first or found
                             else:
-                                valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, recompute), option))
+                                valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, str(recompute)), option))
     return valid, found_first
 
 
-def assess(option, lay, vocab_size: int, settings: dict) -> dict:
-    """Memory, bubble, traffic and score of one layout."""
-    from models import padded_vocab_size
-    from training.memory import GB, estimate
-    from training.metrics import model_flops_per_token
+def assess(option, shape, lay, settings: dict) -> dict:
+    """Memory, bubble, traffic and score of one layout (shape: models/shape.py's ModelShape)."""
+    from models.gpt import flops_per_token as training_flops
+    from training.tools.memory import GB, estimate
 
-    m, t = option.model, option.train
+    t = option.train
     world = settings["gpus_per_node"] * settings["nodes"]
     micro = t.global_batch_size // (t.micro_batch_size * lay.dp)
-    est = estimate(option, lay, vocab_size, micro, settings["flash_attention"])
-    vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, lay.tp)
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    est = estimate(option, shape, lay, micro, settings["flash_attention"])
+    vocab = shape.padded_vocab(lay.tp)
     e = 2 if t.precision == "bf16" else 4
-    sbh = m.seq_length * t.micro_batch_size * m.hidden_size
-    flops_per_token = model_flops_per_token(option, vocab, ffn)  # 3 x forward
-    flops_per_gpu = flops_per_token * t.global_batch_size * m.seq_length / world
-    heads = m.num_attention_heads
-    head_dim = m.kv_channels or m.hidden_size // heads
-    recompute = {"none": 0.0, "full": (flops_per_token / 3 - 2 * m.hidden_size * vocab) / flops_per_token,
-                 "selective": 2 * m.num_layers * m.seq_length * heads * head_dim / flops_per_token}[lay.recompute]
+    sbh = shape.seq_length * t.micro_batch_size * shape.hidden_size
+    flops_per_token = training_flops(shape, lay.tp)  # 3 x forward
+    flops_per_gpu = flops_per_token * t.global_batch_size * shape.seq_length / world
+    recompute = {"none": 0.0, "full": (flops_per_token / 3 - 2 * shape.hidden_size * vocab) / flops_per_token,
+                 "selective": 2 * shape.num_layers * shape.seq_length * shape.q_width / flops_per_token}[lay.recompute]
     # TP per layer and micro-batch: 2 all-reduces forward + 2 backward (SP: all-gathers + reduce-scatters of
     # the same volume; its backward re-gather overlaps the weight-gradient GEMMs); full recompute redoes forward
     collectives = 4 + (2 if lay.recompute == "full" else 0)
-    tp_bytes = (m.num_layers // lay.pp) * micro * collectives * 2 * (lay.tp - 1) / lay.tp * e * sbh
+    tp_bytes = (shape.num_layers // lay.pp) * micro * collectives * 2 * (lay.tp - 1) / lay.tp * e * sbh
     shard = (lay.dp - 1) / lay.dp
     dp_bytes = est.params_per_gpu * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
     pp_bytes = 2 * micro * (lay.vpp or 1) * e * sbh / (lay.tp if lay.sp else 1) if lay.pp > 1 else 0.0
@@ -179,23 +174,24 @@ def table(rows: list[dict], top: int) -> str:
 
 def plan(settings: dict, overrides: list[str]) -> tuple[list[dict], str]:
     """Ranked rows (the recommended one flagged) and a header describing the problem."""
+    from models.gpt import num_params
+    from models.shape import ModelShape
     from training.compose import compose
     from training.data import resolve_vocab_size
-    from training.memory import Layout, estimate
     from training.tokenizer import build_tokenizer
 
     cfg = compose(overrides)
-    vocab_size = resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer))
+    shape = ModelShape.of(cfg.model, resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer)))
     world = settings["gpus_per_node"] * settings["nodes"]
     valid, rejected = candidates(cfg, world, settings["gpus_per_node"])
     if not valid:
         raise ValueError(f"no valid layout on {world} GPUs: " + "; ".join(rejected or ["none to try"]))
-    rows = [assess(option, lay, vocab_size, settings) for lay, option in valid]
+    rows = [assess(option, shape, lay, settings) for lay, option in valid]
     rows.sort(key=lambda r: (not r["fits"], r["score"], r["mem_gb"]["total"]))
     rows[0]["recommended"] = rows[0]["fits"]
     for r in rows[1:]:
         r["recommended"] = False
-    total = estimate(cfg, Layout(1, 1, None, 1, False, False, "none"), vocab_size, 1).params_total
+    total = num_params(shape)
     t = cfg.train
     header = (f"{cfg.model.name}: {total / 1e9:.3f} B parameters, seq {cfg.model.seq_length}, micro batch "
               f"{t.micro_batch_size}, global batch {t.global_batch_size}, {t.precision}; {world} GPUs "
@@ -205,19 +201,10 @@ def plan(settings: dict, overrides: list[str]) -> tuple[list[dict], str]:
     return rows, header
 
 
-def main(argv: list[str]) -> int:
+def run(argv: list[str]) -> int:
     quiet_known_noise()
-    from training.errors import TemplateError
-
-    try:
-        settings, overrides, as_json = parse_args(argv)
-        rows, header = plan(settings, overrides)
-    except (TemplateError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # noqa: BLE001 - Hydra's override/composition errors, made one line
-        print(f"error: {type(err).__name__}: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+    settings, overrides, as_json = parse_args(argv)
+    rows, header = plan(settings, overrides)
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -234,6 +221,13 @@ def main(argv: list[str]) -> int:
         print(f"\nnothing fits: the smallest needs {min(r['mem_gb']['total'] for r in rows):.1f} GB per GPU; add "
               f"GPUs (plan.nodes), lower train.micro_batch_size or model.seq_length, or use larger GPUs")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """run(argv), with the user's errors as one line each and exit code 2."""
+    from training.errors import exit_on_error
+
+    return exit_on_error(run, argv, also=(ValueError,))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Light imports only: worker processes start before torch / Megatron-Core are imported (training.data).
-from training.errors import ConfigError, TemplateError  # noqa: E402
+from training.errors import ConfigError, TemplateError, exit_on_error  # noqa: E402
 from training.tokenizer import build_tokenizer  # noqa: E402
 
 CHUNK_BYTES = 1 << 20  # input per worker task: amortises inter-process pickling, keeps progress smooth
@@ -183,26 +183,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
+def run(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.workers < 1:
+        raise ConfigError(f"--workers={args.workers}: must be at least 1")
+    if Path(args.output_prefix).suffix in (".bin", ".idx", ".json"):
+        raise ConfigError(f"--output-prefix {args.output_prefix}: give the prefix, without "
+                          f"{Path(args.output_prefix).suffix}")
+    files = input_files(args.input)
+    tokenizer = build_tokenizer(args.tokenizer)  # in the parent first: a bad path fails before any work
     try:
-        if args.workers < 1:
-            raise ConfigError(f"--workers={args.workers}: must be at least 1")
-        if Path(args.output_prefix).suffix in (".bin", ".idx", ".json"):
-            raise ConfigError(f"--output-prefix {args.output_prefix}: give the prefix, without "
-                              f"{Path(args.output_prefix).suffix}")
-        files = input_files(args.input)
-        tokenizer = build_tokenizer(args.tokenizer)  # in the parent first: a bad path fails before any work
         progress = preprocess(files, args.output_prefix, tokenizer, args.tokenizer, args.json_key, args.workers)
-    except TemplateError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except OSError as err:  # an unreadable input, an unwritable output folder
-        print(f"error: {err.filename}: {err.strerror}" if err.filename else f"error: {err}", file=sys.stderr)
-        return 2
+        raise TemplateError(f"{err.filename}: {err.strerror}" if err.filename else str(err)) from err
     print(f"wrote {args.output_prefix}.bin/.idx/.json ({progress.tokens} tokens, tokenizer {tokenizer.name}) "
           f"from {len(files)} file(s): {progress.line()}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """run(argv), with the user's errors as one line each and exit code 2."""
+    return exit_on_error(run, argv)
 
 
 if __name__ == "__main__":  # the guard also keeps spawn-started workers from re-running main

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 FP32_TOL, BF16_TOL = 1e-5, 1e-3
 
 # name -> (processes, overrides). Global batch 16, micro 4 by default (conf/train/default.yaml).
@@ -35,7 +35,7 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
     "pp2": (2, ["parallel.pp=2"]),
-    # PP=2 with 2 virtual stages: Megatron-Core's batched p2p corrupts gradients here (training/upstream_fixes.py)
+    # PP=2 with 2 virtual stages: Megatron-Core's batched p2p corrupts gradients here (training/shims/upstream_fixes.py)
     "vpp": (2, ["parallel.pp=2", "parallel.vpp=2"]),
     "dp2": (2, ["train.micro_batch_size=8"]),  # one micro-batch per rank
     "distopt": (2, ["parallel.dist_opt=true", "parallel.overlap_grad_reduce=true",
@@ -48,13 +48,9 @@ LAYOUTS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    from training.net import free_port
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "train.py"),
            f"hydra.run.dir={run_dir}", *overrides]

@@ -12,40 +12,36 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models import GPTOptions
-from training import upstream_fixes
-from training.config import Config
+from models.shape import ModelShape
+from training.config import Activation, Config, Precision, Recompute
+from training.shims import upstream_fixes
 
-ACTIVATIONS = {"gelu": (F.gelu, False), "swiglu": (F.silu, True)}  # name -> (function, gated: SwiGLU = silu gate)
-RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
+ACTIVATIONS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu}  # swiglu: SiLU(gate) * up (gated below)
 
 
 def params_dtype(cfg: Config) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-
-
-def ffn_hidden_size(cfg: Config) -> int:
-    return cfg.model.ffn_hidden_size or 4 * cfg.model.hidden_size
+    return torch.bfloat16 if cfg.train.precision == Precision.bf16 else torch.float32
 
 
 def fused_kernels(cfg: Config) -> bool:
     """Megatron-Core's own fusions that need neither TE nor apex (torch.compile'd: SwiGLU, vocab-parallel
-    cross entropy). `auto` = on GPUs; off on CPU, where inductor's first compile costs ~30 s a process."""
-    return cfg.model.fused_kernels == "on" or (cfg.model.fused_kernels == "auto" and torch.cuda.is_available())
+    cross entropy). null = on GPUs; off on CPU, where inductor's first compile costs ~30 s a process."""
+    return torch.cuda.is_available() if cfg.model.fused_kernels is None else cfg.model.fused_kernels
 
 
-def transformer_config(cfg: Config) -> TransformerConfig:
+def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
+    """Megatron-Core's TransformerConfig: the sizes from the resolved shape, the rest from cfg."""
     m, p = cfg.model, cfg.parallel
-    activation, gated = ACTIVATIONS[m.activation]
     fuse = fused_kernels(cfg)
     dtype = params_dtype(cfg)
-    recompute = RECOMPUTE[m.recompute]
+    recompute = None if m.recompute == Recompute.none else str(m.recompute)
     return TransformerConfig(
-        # shape
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups, ffn_hidden_size=ffn_hidden_size(cfg),
-        kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
-        add_bias_linear=m.add_bias_linear, gated_linear_unit=gated, activation_func=activation,
+        # shape (models/shape.py resolved every default: GQA groups, head dim, FFN width)
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups, ffn_hidden_size=shape.ffn_hidden_size,
+        kv_channels=shape.kv_channels, normalization=shape.normalization, layernorm_epsilon=shape.norm_epsilon,
+        add_bias_linear=shape.add_bias_linear, gated_linear_unit=shape.gated,
+        activation_func=ACTIVATIONS[m.activation],
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         # parallelism
@@ -68,21 +64,13 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         # a bias) and the vocab-parallel cross entropy (LanguageModule.compute_language_model_loss). The
         # latter only in bf16: 0.19.2's native version returns bf16 logit gradients whatever the dtype
         # (fusions/fused_cross_entropy.py), exactly what bf16 runs get unfused, a ~1e-3 error in fp32.
-        bias_activation_fusion=fuse and gated, cross_entropy_fusion_impl="native",
+        bias_activation_fusion=fuse and shape.gated, cross_entropy_fusion_impl="native",
         cross_entropy_loss_fusion=fuse and dtype == torch.bfloat16,
         # these need TE or apex (RoPE, softmax, weight-grad accumulation) or add nothing here (bias-dropout
         # fusion: our dropout is 0 for pretraining); TE's versions come with the TE path
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
     )
-
-
-def gpt_options(cfg: Config, vocab_size: int) -> GPTOptions:
-    m = cfg.model
-    return GPTOptions(vocab_size=vocab_size, max_sequence_length=m.seq_length,
-                      position_embedding=m.position_embedding, rotary_base=m.rotary_base,
-                      tie_embeddings=m.tie_embeddings,
-                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
 
 
 def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
@@ -113,7 +101,7 @@ def scheduler_kwargs(cfg: Config) -> dict:
     decay_end = o.decay_iters if o.decay_iters is not None else max(cfg.train.iters, 1)
     return dict(
         init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
-        lr_decay_steps=max(decay_end, o.warmup_iters + 1), lr_decay_style=o.decay_style,
+        lr_decay_steps=max(decay_end, o.warmup_iters + 1), lr_decay_style=str(o.decay_style),
         start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_end, wd_incr_style="constant",
         # the config, not the checkpoint, defines the schedule: raising train.iters on resume extends it
         use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,

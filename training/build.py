@@ -3,6 +3,8 @@
 Follows Megatron-LM's `get_model` / `setup_model_and_optimizer`: one GPT chunk per virtual pipeline
 stage, Float16Module for bf16, DDP per chunk (bucketing only on the first chunk), then
 `get_megatron_optimizer` and `OptimizerParamScheduler`, and the config hooks the schedules call.
+
+    state = build(cfg, ModelShape.of(cfg.model, vocab_size), device)    # -> TrainState
 """
 
 from __future__ import annotations
@@ -12,32 +14,44 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models import GPT, GPTOptions
+from models.gpt import GPT
+from models.shape import ModelShape
 from training import bridge
 from training.config import Config
 
 
 @dataclass
-class Trainable:
-    model: list  # DDP-wrapped chunks, one per virtual pipeline stage (bare chunks when train=False)
-    optimizer: object  # Megatron-Core MegatronOptimizer (or ChainedOptimizer); None when train=False
+class TrainState:
+    """What training works on: this rank's model chunks and what updates them."""
+
+    model: list[torch.nn.Module]  # DDP-wrapped chunks, one per virtual pipeline stage (bare when train=False)
+    optimizer: MegatronOptimizer | None  # Megatron-Core's (or its ChainedOptimizer); None when train=False
     scheduler: OptimizerParamScheduler | None
-    config: TransformerConfig
+    config: TransformerConfig  # the one config every chunk and Megatron-Core's schedules read
+    shape: ModelShape  # the resolved sizes (models/shape.py)
 
 
-def build_chunks(config: TransformerConfig, options: GPTOptions, vpp: int | None, device: torch.device,
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """DDP(Float16Module(model)) -> model (either wrapper may be absent): our GPT, or Megatron-Core's
+    GPTModel in the benchmark."""
+    while isinstance(module, (DistributedDataParallel, Float16Module)):
+        module = module.module
+    return module
+
+
+def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, device: torch.device,
                  make_model=GPT) -> list[torch.nn.Module]:
     """This rank's model chunk(s), one per virtual pipeline stage: pre_process / post_process from its
-    pipeline position. make_model(config, options, pre_process=, post_process=, vp_stage=) builds one."""
+    pipeline position. make_model(config, shape, pre_process=, post_process=, vp_stage=) builds one."""
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        model = make_model(config, options,
+        model = make_model(config, shape,
                            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                            vp_stage=stage)
@@ -58,16 +72,20 @@ def wrap_ddp(chunks: list, config: TransformerConfig, cfg: Config) -> list:
             for index, chunk in enumerate(chunks)]
 
 
-def build(cfg: Config, vocab_size: int, device: torch.device, *, init: bool = True, train: bool = True,
-          make_model=GPT) -> Trainable:
+def _one_or_list(hooks: list):
+    return hooks[0] if len(hooks) == 1 else hooks
+
+
+def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = True, train: bool = True,
+          make_model=GPT) -> TrainState:
     """init=False skips the random init (every weight will be loaded: conversions); train=False returns
     the bare chunks without DDP's gradient buffers, optimizer or scheduler (inference, conversion);
     make_model builds another model the same way (tools/bench.py: Megatron-Core's GPTModel)."""
-    config = bridge.transformer_config(cfg)
+    config = bridge.transformer_config(cfg, shape)
     config.perform_initialization = init
-    chunks = build_chunks(config, bridge.gpt_options(cfg, vocab_size), cfg.parallel.vpp, device, make_model)
+    chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model)
     if not train:
-        return Trainable(model=chunks, optimizer=None, scheduler=None, config=config)
+        return TrainState(model=chunks, optimizer=None, scheduler=None, config=config, shape=shape)
     model = wrap_ddp(chunks, config, cfg)
     optimizer = get_megatron_optimizer(bridge.optimizer_config(cfg), model)
     scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))
@@ -75,20 +93,9 @@ def build(cfg: Config, vocab_size: int, device: torch.device, *, init: bool = Tr
     # Hooks Megatron-Core's schedules call (as Megatron-LM's training.py sets them).
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    config.no_sync_func = _one_or_list([m.no_sync for m in model])
     if cfg.parallel.overlap_grad_reduce:
-        config.grad_sync_func = [m.start_grad_sync for m in model]
-        if len(model) == 1:
-            config.grad_sync_func = config.grad_sync_func[0]
+        config.grad_sync_func = _one_or_list([m.start_grad_sync for m in model])
     if cfg.parallel.overlap_param_gather and cfg.parallel.dist_opt:
-        config.param_sync_func = [m.start_param_sync for m in model]
-        if len(model) == 1:
-            config.param_sync_func = config.param_sync_func[0]
-    return Trainable(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
-
-
-def unwrap(module: torch.nn.Module) -> GPT:
-    """DDP(Float16Module(GPT)) -> GPT (any of the wrappers may be absent)."""
-    while not isinstance(module, GPT):
-        module = module.module
-    return module
+        config.param_sync_func = _one_or_list([m.start_param_sync for m in model])
+    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config, shape=shape)

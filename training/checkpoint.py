@@ -18,28 +18,25 @@ import os
 import random
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.distributed import DistributedDataParallel
 
-from training import upstream_fixes
-from training.build import unwrap as _unwrap
-from training.config import Config
+from models.shape import WEIGHTS, ModelShape
+from training.build import TrainState, unwrap
+from training.config import Config, ModelConfig
 from training.dist import print0
 from training.errors import TemplateError
+from training.shims import upstream_fixes
 
 LATEST = "latest"
 RUN_FILE = "run.json"
-# Model fields that must match for weights to load (sizes and architecture, not training knobs).
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "kv_channels", "position_embedding", "normalization", "activation", "add_bias_linear",
-                "tie_embeddings", "vocab_size")
 
 
 class CheckpointError(TemplateError):
@@ -124,35 +121,33 @@ def sharded_metadata(cfg: Config) -> dict:
     return meta
 
 
-def model_keys(t) -> list[str]:
-    return ["model"] if len(t.model) == 1 else [f"model{i}" for i in range(len(t.model))]
+def model_keys(state: TrainState) -> list[str]:
+    return ["model"] if len(state.model) == 1 else [f"model{i}" for i in range(len(state.model))]
 
 
-def _sharded_module(chunk):
-    """DDP does not forward sharded_state_dict: ask the module it wraps (GPT or its Float16Module)."""
-    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
-
-
-def state_dict(cfg: Config, t, is_loading: bool, with_rng: bool = True, model_only: bool = False) -> dict:
+def state_dict(cfg: Config, state: TrainState, is_loading: bool, with_rng: bool = True,
+               model_only: bool = False) -> dict:
+    """The sharded state dict dist_checkpointing saves / fills (DDP does not forward sharded_state_dict:
+    the unwrapped model's is the same, with the same keys)."""
     meta = sharded_metadata(cfg)
-    state = {key: _sharded_module(chunk).sharded_state_dict(metadata=meta)
-             for key, chunk in zip(model_keys(t), t.model)}
+    sharded = {key: unwrap(chunk).sharded_state_dict(metadata=meta)
+               for key, chunk in zip(model_keys(state), state.model)}
     if model_only:
-        return state
-    upstream_fixes.before_optimizer_state_dict(t.optimizer)
-    state["optimizer"] = t.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=meta)
-    state["scheduler"] = t.scheduler.state_dict()
+        return sharded
+    upstream_fixes.before_optimizer_state_dict(state.optimizer)
+    sharded["optimizer"] = state.optimizer.sharded_state_dict(sharded, is_loading=is_loading, metadata=meta)
+    sharded["scheduler"] = state.scheduler.state_dict()
     if with_rng:
         pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
-        state["rng_state"] = ShardedObject(
+        sharded["rng_state"] = ShardedObject(
             "rng_state", _rng_state(),
             (parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_tensor_model_parallel_world_size()),
             (pp, tp), replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
-    return state
+    return sharded
 
 
-def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | Path | None = None,
+def save(cfg: Config, state: TrainState, iteration: int, consumed_samples: int, run_dir: str | Path | None = None,
          train_samples: int | None = None, model_only: bool = False) -> Path:
     """Save a checkpoint (every rank calls this); model_only: the weights alone (conversions), which
     only checkpoint.finetune=true loads."""
@@ -164,16 +159,16 @@ def save(cfg: Config, t, iteration: int, consumed_samples: int, run_dir: str | P
             shutil.rmtree(path)
         path.mkdir(parents=True)
     dist.barrier()
-    state = state_dict(cfg, t, is_loading=False, with_rng=not model_only, model_only=model_only)
-    state["iteration"], state["consumed_samples"] = iteration, consumed_samples
-    dist_checkpointing.save(state, str(path), verify_integrity=True)
+    sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only)
+    sharded["iteration"], sharded["consumed_samples"] = iteration, consumed_samples
+    dist_checkpointing.save(sharded, str(path), verify_integrity=True)
     dist.barrier()  # every rank's shards are on disk
     if rank0:
         from omegaconf import OmegaConf
 
         run = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(),
                "train_samples": train_samples, "weights_only": model_only,
-               "vocab_size": _unwrap(t.model[0]).vocab_size,
+               "vocab_size": state.shape.vocab_size,
                "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "versions": _versions(),
                "run_dir": str(run_dir) if run_dir else None}
         _atomic_write(path / RUN_FILE, json.dumps(run, indent=1) + "\n")
@@ -232,14 +227,24 @@ def resolve_path(spec: str | Path) -> Path:
     return path
 
 
-def check_compatible(cfg: Config, run: dict, vocab_size: int) -> None:
-    """Refuse, naming every differing field, a checkpoint whose model shape differs from the config's."""
-    saved = dict(run["config"]["model"], vocab_size=run["vocab_size"])
-    current = dict(vars(cfg.model), vocab_size=vocab_size)
-    differ = [f"{k}: checkpoint {saved.get(k)} vs config {current.get(k)}"
-              for k in SHAPE_FIELDS if saved.get(k) != current.get(k)]
+def check_compatible(run: dict, shape: ModelShape) -> None:
+    """Refuse, naming every differing field, a checkpoint whose weights' shapes differ from the config's
+    (the shape fields tagged "weights", resolved: ffn_hidden_size=null and 4h are the same)."""
+    saved_model = SimpleNamespace(**{**asdict(ModelConfig()), **run["config"]["model"]})  # fields added since: defaults
+    saved = ModelShape.of(saved_model, run["vocab_size"]).fields_of(WEIGHTS)
+    current = shape.fields_of(WEIGHTS)
+    differ = [f"{k}: checkpoint {_brief(saved[k])} vs config {_brief(current[k])}"
+              for k in current if saved[k] != current[k]]
     if differ:
         raise CheckpointError("the model in the config does not match the checkpoint's: " + "; ".join(differ))
+
+
+def _brief(value):
+    """A layer list shown by its distinct entries (it repeats one dict per layer)."""
+    if isinstance(value, (list, tuple)):
+        distinct = [dict(t) for t in dict.fromkeys(tuple(sorted(d.items())) for d in value)]
+        return distinct[0] if len(distinct) == 1 else distinct
+    return value
 
 
 def check_same_optimizer(cfg: Config, run: dict, path: Path) -> None:
@@ -252,20 +257,20 @@ def check_same_optimizer(cfg: Config, run: dict, path: Path) -> None:
             f"DP may change), or load the weights only with checkpoint.finetune=true")
 
 
-def maybe_load(cfg: Config, t) -> Start:
+def maybe_load(cfg: Config, state: TrainState) -> Start:
     """Load per checkpoint.load / checkpoint.finetune (weights only: the run starts at iteration 0)."""
     path, weights_only = resolve_load_path(cfg)
     if path is None:
         return Start()
     run = json.loads((path / RUN_FILE).read_text())
-    check_compatible(cfg, run, _unwrap(t.model[0]).vocab_size)
+    check_compatible(run, state.shape)
     if not weights_only and run.get("weights_only"):
         raise CheckpointError(f"checkpoint {path} holds weights only (an import or conversion): load it with "
                               f"checkpoint.finetune=true")
     if not weights_only:
         check_same_optimizer(cfg, run, path)
     same_layout = {k: run["layout"][k] for k in ("tp", "pp")} == {k: _layout()[k] for k in ("tp", "pp")}
-    template = state_dict(cfg, t, is_loading=True, with_rng=same_layout, model_only=weights_only)
+    template = state_dict(cfg, state, is_loading=True, with_rng=same_layout, model_only=weights_only)
     if not weights_only:
         template["iteration"], template["consumed_samples"] = 0, 0
     try:
@@ -273,16 +278,16 @@ def maybe_load(cfg: Config, t) -> Start:
     except Exception as err:  # noqa: BLE001 - any failure here means the files are not usable
         raise CheckpointError(f"cannot load checkpoint {path}: {type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}") from err
-    for key, chunk in zip(model_keys(t), t.model):
+    for key, chunk in zip(model_keys(state), state.model):
         chunk.load_state_dict(loaded[key], strict=True)
     if weights_only:
-        if t.optimizer is not None:
-            t.optimizer.reload_model_params()  # fp32 main params (bf16, distributed optimizer) follow
+        if state.optimizer is not None:
+            state.optimizer.reload_model_params()  # fp32 main params (bf16, distributed optimizer) follow
         print0(f"fine-tuning from the weights of {path} (fresh optimizer, schedule and data order)")
         return Start()
-    t.optimizer.load_state_dict(loaded["optimizer"])
-    upstream_fixes.after_optimizer_load(t.optimizer)
-    t.scheduler.load_state_dict(loaded["scheduler"])
+    state.optimizer.load_state_dict(loaded["optimizer"])
+    upstream_fixes.after_optimizer_load(state.optimizer)
+    state.scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     else:

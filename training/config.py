@@ -1,11 +1,52 @@
 """The typed config schema. Hydra composes conf/*.yaml onto these dataclasses; every field has a default
-and a one-line reason. Cross-field rules live in training/validate.py and run before any process group.
+and a one-line reason, and the defaults are the default run's (conf/config.yaml's groups: a test composes
+both and compares). A field with a fixed set of choices is an Enum: OmegaConf refuses any other value
+while composing (training/compose.py makes that one line). Cross-field rules live in training/validate.py
+and run before any process group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
+
+
+class PositionEmbedding(StrEnum):
+    rope = "rope"
+    learned = "learned"
+
+
+class Normalization(StrEnum):
+    LayerNorm = "LayerNorm"
+    RMSNorm = "RMSNorm"
+
+
+class Activation(StrEnum):
+    gelu = "gelu"
+    swiglu = "swiglu"  # gated: SiLU(gate) * up, fc1 doubled
+
+
+class Recompute(StrEnum):
+    none = "none"
+    selective = "selective"  # core attention only
+    full = "full"  # every layer from its input
+
+
+class DecayStyle(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # bf16 params/activations, fp32 main params and grads
+
+
+class NanPolicy(StrEnum):
+    stop = "stop"
+    skip = "skip"
 
 
 @dataclass
@@ -14,24 +55,26 @@ class ModelConfig:
     num_layers: int = 4  # transformer layers in the whole model (split across pipeline stages)
     hidden_size: int = 128  # model width h
     num_attention_heads: int = 4  # query heads; must divide by tp
-    num_query_groups: Optional[int] = None  # K/V heads for GQA; null = one per query head (MHA)
-    ffn_hidden_size: Optional[int] = None  # MLP width; null = 4h (GELU) as in GPT-2
+    num_query_groups: Optional[int] = 2  # K/V heads for GQA (Llama 2 70B, Llama 3); null = one per query head (MHA)
+    ffn_hidden_size: Optional[int] = 352  # MLP width (~8h/3 rounded, as Llama for SwiGLU); null = 4h (GPT-2)
     kv_channels: Optional[int] = None  # head dim; null = hidden_size / num_attention_heads
     vocab_size: Optional[int] = None  # null = the tokenizer's (byte: 256 bytes + EOD = 257)
     seq_length: int = 128  # training sequence length (tokens per sample)
-    position_embedding: str = "rope"  # rope | learned: RoPE is what modern decoders use
+    position_embedding: PositionEmbedding = PositionEmbedding.rope  # RoPE is what modern decoders use
     rotary_base: float = 10000.0  # RoPE theta (Llama 2: 1e4, Llama 3: 5e5)
-    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    normalization: Normalization = Normalization.RMSNorm  # RMSNorm (Llama) | LayerNorm (GPT-2)
     norm_epsilon: float = 1e-5  # epsilon inside the norms
-    activation: str = "gelu"  # gelu | swiglu (swiglu doubles fc1: gate and up)
-    add_bias_linear: bool = True  # biases in the linear layers (GPT-2 yes, Llama no)
+    activation: Activation = Activation.swiglu  # swiglu (Llama) | gelu (GPT-2)
+    add_bias_linear: bool = False  # biases in the linear layers (GPT-2 yes, Llama no)
     tie_embeddings: bool = True  # output layer reuses the embedding (also across pipeline stages)
+    attention: str = "self_attention"  # the layers' attention block: a name in models/spec.py's BLOCKS or module:Class
+    mlp: str = "mlp"  # the layers' MLP block: a name in models/spec.py's BLOCKS or module:Class
     hidden_dropout: float = 0.0  # dropout after attention/MLP and on embeddings; 0 for pretraining
     attention_dropout: float = 0.0  # dropout on attention probabilities
     init_method_std: float = 0.02  # normal init std (output projections scaled by 1/sqrt(2L), Megatron)
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times tp (fast GEMMs)
-    recompute: str = "none"  # none | selective (core attention) | full (every layer): trade compute for memory
-    fused_kernels: str = "auto"  # auto (on with CUDA) | on | off: Megatron-Core's torch.compile SwiGLU + cross entropy
+    recompute: Recompute = Recompute.none  # selective (core attention) | full (every layer): compute for memory
+    fused_kernels: Optional[bool] = None  # Megatron-Core's torch.compile'd SwiGLU + cross entropy; null = on with CUDA
 
 
 @dataclass
@@ -52,7 +95,7 @@ class OptimConfig:
     lr: float = 3e-3  # peak learning rate (after warmup); the tiny model takes a high one
     min_lr: float = 3e-4  # learning rate at the end of decay (lr / 10)
     warmup_iters: int = 20  # linear warmup from 0 to lr
-    decay_style: str = "cosine"  # cosine | linear | constant
+    decay_style: DecayStyle = DecayStyle.cosine  # cosine | linear | constant
     decay_iters: Optional[int] = None  # iteration where decay reaches min_lr; null = train.iters
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms and biases)
     adam_beta1: float = 0.9  # Adam first-moment decay
@@ -78,14 +121,14 @@ class TrainConfig:
     micro_batch_size: int = 4  # sequences per micro-batch per data-parallel rank
     global_batch_size: int = 16  # sequences per optimizer step, all DP ranks and micro-batches together
     seed: int = 1234  # one seed for init, dropout and data order
-    precision: str = "fp32"  # fp32 | bf16 (bf16 params/activations, fp32 main params and grads)
+    precision: Precision = Precision.fp32  # fp32 | bf16 (bf16 params/activations, fp32 main params and grads)
     log_interval: int = 10  # iterations between log lines
     eval_interval: int = 100  # iterations between validation runs; 0 disables
     eval_iters: int = 2  # validation global batches per evaluation
     save_interval: int = 0  # iterations between checkpoints; 0 = only at the end (when checkpoint.dir)
     exit_interval: int = 0  # stop (after saving) at an iteration multiple of this; 0 = never
     exit_duration_minutes: float = 0.0  # stop (after saving) after this wall-clock time; 0 = never
-    nan_policy: str = "stop"  # stop | skip: what a NaN/Inf loss does (checked before the optimizer step)
+    nan_policy: NanPolicy = NanPolicy.stop  # stop | skip: what a NaN/Inf loss does (checked before the optimizer step)
     profile: bool = False  # torch.profiler trace of iterations [profile_start, profile_end)
     profile_start: int = 5  # first profiled iteration (after warm-up)
     profile_end: int = 7  # first iteration after the profiled window
@@ -129,5 +172,6 @@ def to_config(cfg: Any) -> Config:
     return OmegaConf.to_object(merged)
 
 
-__all__ = ["Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
+__all__ = ["Activation", "DecayStyle", "NanPolicy", "Normalization", "PositionEmbedding", "Precision",
+           "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "register", "to_config"]

@@ -211,3 +211,28 @@ class MicroBatches:
         self.next_index += self.micro * self.dp
         samples = [self.dataset[i] for i in range(start, start + self.micro)]
         return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask")}
+
+
+def _chunk_reads_data(index: int, num_chunks: int) -> bool:
+    from megatron.core import parallel_state as ps
+
+    vp_stage = index if num_chunks > 1 else None
+    return ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage) or \
+        ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+
+
+def reads_data(num_chunks: int) -> bool:
+    """Whether any of this rank's model chunks takes tokens (first stage) or labels (last stage)."""
+    return any(_chunk_reads_data(i, num_chunks) for i in range(num_chunks))
+
+
+def micro_batch_streams(num_chunks: int, samples, consumed_samples: int, micro_batch_size: int):
+    """The `data_iterator` Megatron-Core's schedules take: one MicroBatches stream per model chunk that
+    reads data (those on the first or the last pipeline stage), None for the others (or when `samples` is
+    None); a bare stream when there is one chunk. `samples` is a dataset or a list of samples."""
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    streams = [MicroBatches(samples, consumed_samples, micro_batch_size, dp, rank)
+               if samples is not None and _chunk_reads_data(i, num_chunks) else None for i in range(num_chunks)]
+    return streams if num_chunks > 1 else streams[0]

@@ -1,6 +1,6 @@
 """Distributed start and teardown: torchrun env -> process group -> Megatron-Core parallel state -> seeds.
 
-NCCL when CUDA is available (device bound to LOCAL_RANK), gloo otherwise (and then training.cpu_compat
+NCCL when CUDA is available (device bound to LOCAL_RANK), gloo otherwise (and then training.shims.cpu_compat
 makes Megatron-Core run on the CPU). `distributed(...)` is a context manager that always tears down:
 on success every rank meets at a barrier first; on an error the failing rank leaves without a barrier,
 so the peers' next collective fails promptly instead of waiting for the collective timeout.
@@ -18,9 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training import cpu_compat
 from training.errors import LaunchError
-from training.noise import quiet_known_noise
+from training.net import free_port
+from training.shims import cpu_compat
+from training.shims.noise import quiet_known_noise
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,14 @@ class DistInfo:
     tp: int
     pp: int
     dp: int
+
+
+def single_process_env() -> None:
+    """A world of one on a free local port, unless torchrun (or a launcher) already set RANK / WORLD_SIZE:
+    `python train.py` and the tools then need no torchrun."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
 
 
 def env_int(name: str, default: int | None = None) -> int:

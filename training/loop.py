@@ -1,116 +1,31 @@
 """The training loop, top to bottom: distributed init -> data -> model/optimizer -> resume -> steps.
 
-One step: this DP rank's micro-batches go through Megatron-Core's pipeline schedule
-(`get_forward_backward_func`: no pipelining, 1F1B, or interleaved 1F1B), which calls
-`finalize_model_grads` (DP reduction, SP norm grads, tied-embedding grads, division by the global
-batch's token count); the loss is reduced to the global-batch token mean, checked for NaN/Inf, then
-`optimizer.step()` (clipping inside) and the scheduler step.
+    run(cfg, derived, run_dir)      # train.py, after validate(cfg) gave `derived`
+
+Each step is training/step.py's train_step; every train.log_interval steps one record (loss, the named
+extra losses, lr, grad norm, throughput, memory) goes to the console, metrics.jsonl and TensorBoard.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from functools import partial
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
-
+from models.gpt import flops_per_token
+from models.shape import ModelShape
+from models.spec import extra_loss_names
 from training import checkpoint, dist as D
-from training.build import build, unwrap
+from training.build import build
 from training.config import Config
-from training.data import MicroBatches, build_datasets, resolve_vocab_size
-from training.errors import TemplateError
-from training.preflight import preflight
-from training.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
+from training.data import build_datasets, micro_batch_streams, reads_data, resolve_vocab_size
+from training.errors import ConfigError
+from training.metrics import RESERVED_KEYS, MetricsLogger, memory_gb, peak_tflops
 from training.profiling import Profiler
+from training.step import evaluate, train_step
 from training.stopping import Stopper
 from training.tokenizer import build_tokenizer
-from training.validate import Derived, validate
-
-
-class NonFiniteLoss(TemplateError):
-    pass
-
-
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Sum of the masked token losses and their count; Megatron-Core divides by the global count."""
-    mask = loss_mask.reshape(-1).float()  # [b*s]
-    loss_sum = torch.sum(per_token_loss.reshape(-1).float() * mask)
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach().clone(), mask.sum()])}
-
-
-def forward_step(data_iterator, model):
-    """Called by the schedule once per micro-batch and model chunk."""
-    batch = next(data_iterator) if data_iterator is not None else None
-    gpt, device = unwrap(model), D.current_device()
-    tokens = batch["tokens"].to(device) if gpt.pre_process else None  # [b, s]
-    labels = batch["labels"].to(device) if gpt.post_process else None  # [b, s]
-    output = model(tokens, labels)  # [b, s] token losses on the last stage, activations elsewhere
-    mask = batch["loss_mask"].to(device) if gpt.post_process else None
-    return output, partial(loss_func, mask)
-
-
-def global_loss(reports: list[dict], device: torch.device) -> torch.Tensor:
-    """Token-mean loss over the whole global batch, identical on every rank: [loss_sum, tokens] summed
-    over micro-batches, then over DP ranks, then sent from the last pipeline stage to the others."""
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for report in reports:
-        total += report["lm loss"].to(device=device, dtype=torch.float64)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            total.zero_()
-        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    return total[0] / total[1].clamp(min=1)
-
-
-def run_schedule(t, iterators, derived: Derived, cfg: Config, forward_only: bool,
-                 step=forward_step) -> list[dict]:
-    return get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iterators, model=t.model,
-        num_microbatches=derived.num_microbatches, seq_length=cfg.model.seq_length,
-        micro_batch_size=cfg.train.micro_batch_size, forward_only=forward_only)
-
-
-def train_step(t, iterators, derived: Derived, cfg: Config, device,
-               step=forward_step) -> tuple[float, float | None, bool]:
-    for chunk in t.model:
-        chunk.zero_grad_buffer()
-    t.optimizer.zero_grad()
-    loss = global_loss(run_schedule(t, iterators, derived, cfg, forward_only=False, step=step), device).item()
-    if not math.isfinite(loss):
-        if cfg.train.nan_policy == "stop":
-            raise NonFiniteLoss(f"loss is {loss} at this step: stopping (train.nan_policy=stop); the last "
-                                f"checkpoint is intact. Lower optim.lr or set train.nan_policy=skip")
-        return loss, None, True  # skip: no update, gradients are zeroed next step
-    _, grad_norm, _ = t.optimizer.step()
-    t.scheduler.step(increment=1)
-    return loss, grad_norm, False
-
-
-def evaluate(t, valid_data, derived: Derived, cfg: Config, device) -> float:
-    for chunk in t.model:
-        chunk.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for _ in range(cfg.train.eval_iters):
-            total += global_loss(run_schedule(t, valid_data(), derived, cfg, forward_only=True), device)
-    for chunk in t.model:
-        chunk.train()
-    return (total / cfg.train.eval_iters).item()
-
-
-def chunk_iterators(t, dataset, consumed: int, cfg: Config, derived: Derived):
-    """One micro-batch stream per model chunk that reads data (first/last stage), None elsewhere."""
-    dp_rank = parallel_state.get_data_parallel_rank()
-    streams = [MicroBatches(dataset, consumed, cfg.train.micro_batch_size, derived.dp, dp_rank)
-               if (unwrap(m).pre_process or unwrap(m).post_process) else None for m in t.model]
-    return streams if len(streams) > 1 else streams[0]
+from training.tools.preflight import preflight
+from training.validate import Derived
 
 
 def train_dataset_size(cfg: Config, start: checkpoint.Start) -> int:
@@ -125,35 +40,36 @@ def train_dataset_size(cfg: Config, start: checkpoint.Start) -> int:
     return needed if saved is None or saved < needed else saved
 
 
-def run(cfg: Config, run_dir: str | Path) -> dict:
-    derived = validate(cfg)
+def run(cfg: Config, derived: Derived, run_dir: str | Path) -> dict:
     p = cfg.parallel
     with D.distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed,
                        timeout_minutes=p.timeout_minutes) as info:
         stopper = Stopper(cfg)  # signal handlers first: a SIGTERM during setup still stops cleanly
         tokenizer = build_tokenizer(cfg.data.tokenizer)
-        vocab_size = resolve_vocab_size(cfg, tokenizer)
-        preflight(cfg, derived, info.device, run_dir, vocab_size)  # memory estimate; stops if it cannot fit
-        t = build(cfg, vocab_size, info.device)
-        start = checkpoint.maybe_load(cfg, t)
+        shape = ModelShape.of(cfg.model, resolve_vocab_size(cfg, tokenizer))
+        if clash := set(extra_loss_names(shape)) & RESERVED_KEYS:
+            raise ConfigError(f"extra losses {sorted(clash)} (the blocks' `extra_losses`) are metrics keys: "
+                              f"rename them")
+        preflight(cfg, derived, shape, info.device, run_dir)  # memory estimate; stops if it cannot fit
+        state = build(cfg, shape, info.device)
+        start = checkpoint.maybe_load(cfg, state)
         iteration, consumed = start.iteration, start.consumed_samples
         saved_at = iteration if start.resumed else None  # the iteration already on disk
         g = cfg.train.global_batch_size
         train_samples = train_dataset_size(cfg, start)
         evals = cfg.train.iters // cfg.train.eval_interval + 1 if cfg.train.eval_interval else 0
-        needs_data = any(unwrap(m).pre_process or unwrap(m).post_process for m in t.model)
+        chunks, micro = len(state.model), cfg.train.micro_batch_size
         train_ds, valid_ds = build_datasets(cfg, tokenizer, (train_samples, evals * cfg.train.eval_iters * g),
-                                            needs_data) if iteration < cfg.train.iters else (None, None)
-        train_data = chunk_iterators(t, train_ds, consumed, cfg, derived)
+                                            reads_data(chunks)) if iteration < cfg.train.iters else (None, None)
+        train_data = micro_batch_streams(chunks, train_ds, consumed, micro)
 
         def valid_data():  # the same validation batches at every evaluation
-            return chunk_iterators(t, valid_ds, 0, cfg, derived)
+            return micro_batch_streams(chunks, valid_ds, 0, micro)
 
-        gpt = unwrap(t.model[0])
-        flops_per_step = model_flops_per_token(cfg, gpt.padded_vocab_size, t.config.ffn_hidden_size) \
-            * derived.tokens_per_step
+        padded = shape.padded_vocab(p.tp)
+        flops_per_step = flops_per_token(shape, p.tp) * derived.tokens_per_step
         peak = peak_tflops(info.device, cfg.train.precision)
-        D.print0(f"config: {derived.describe(cfg)}; vocab {vocab_size} (padded {gpt.padded_vocab_size}); "
+        D.print0(f"config: {derived.describe(cfg)}; vocab {shape.vocab_size} (padded {padded}); "
                  f"{info.device.type}; start at iteration {iteration} ({consumed} samples consumed)")
         if iteration >= cfg.train.iters:
             D.print0(f"nothing to train: the checkpoint is at iteration {iteration} >= train.iters="
@@ -163,16 +79,16 @@ def run(cfg: Config, run_dir: str | Path) -> dict:
         window_start, window_steps, skipped, last = time.perf_counter(), 0, 0, {}
         while iteration < cfg.train.iters:
             profiler.step(iteration)
-            loss, grad_norm, was_skipped = train_step(t, train_data, derived, cfg, info.device)
+            result = train_step(state, train_data, derived, cfg, info.device)
             iteration += 1
             consumed += g
-            skipped += was_skipped
+            skipped += result.skipped
             window_steps += 1
             if iteration % cfg.train.log_interval == 0 or iteration == cfg.train.iters:
                 elapsed = time.perf_counter() - window_start
                 tflops = flops_per_step * window_steps / elapsed / derived.world_size / 1e12
-                last = dict(iteration=iteration, loss=loss, lr=t.scheduler.get_lr(t.optimizer.param_groups[0]),
-                            grad_norm=None if grad_norm is None else float(grad_norm),
+                last = dict(iteration=iteration, loss=result.loss, **result.extra,
+                            lr=state.scheduler.get_lr(state.optimizer.param_groups[0]), grad_norm=result.grad_norm,
                             tokens_per_s=derived.tokens_per_step * window_steps / elapsed,
                             tflops_per_gpu=tflops, mfu=None if peak is None else tflops / peak,
                             mem_gb=memory_gb(info.device), step_ms=1000 * elapsed / window_steps,
@@ -180,17 +96,17 @@ def run(cfg: Config, run_dir: str | Path) -> dict:
                 logger.log(last)
                 window_start, window_steps = time.perf_counter(), 0
             if cfg.train.eval_interval and iteration % cfg.train.eval_interval == 0:
-                logger.log(dict(iteration=iteration, val_loss=evaluate(t, valid_data, derived, cfg, info.device)))
+                logger.log(dict(iteration=iteration, val_loss=evaluate(state, valid_data, derived, cfg, info.device)))
                 window_start = time.perf_counter()
             if checkpoint.due(cfg, iteration):
-                checkpoint.save(cfg, t, iteration, consumed, run_dir, train_samples)
+                checkpoint.save(cfg, state, iteration, consumed, run_dir, train_samples)
                 saved_at = iteration
                 window_start = time.perf_counter()
             if stopper.should_stop(iteration):
                 D.print0(f"stopping at iteration {iteration}: {stopper.reason}")
                 break
         if cfg.checkpoint.dir is not None and saved_at != iteration:  # the end, or an early stop
-            checkpoint.save(cfg, t, iteration, consumed, run_dir, train_samples)
+            checkpoint.save(cfg, state, iteration, consumed, run_dir, train_samples)
         profiler.close()
         logger.close()
         return last

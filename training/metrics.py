@@ -1,4 +1,4 @@
-"""Throughput, FLOPs, memory, and the three sinks of every logged iteration: console, metrics.jsonl,
+"""Throughput, memory, and the three sinks of every logged iteration: console, metrics.jsonl,
 TensorBoard. Only global rank 0 writes; every value it writes is identical on all ranks (the loss is
 reduced before logging) or is rank 0's own (memory).
 """
@@ -12,32 +12,12 @@ from pathlib import Path
 
 import torch
 
-from training.config import Config
-
 # Dense peak TFLOP/s per GPU (no sparsity), from the vendors' data sheets: (bf16, tf32).
 PEAK_TFLOPS = {
     "GB200": (2500.0, 1250.0), "B200": (2250.0, 1100.0), "H200": (989.0, 494.0),
     "GH200": (989.0, 494.0), "H100 PCIe": (756.0, 378.0), "H100": (989.0, 494.0), "H800": (989.0, 494.0),
     "A100": (312.0, 156.0), "A800": (312.0, 156.0), "L40S": (362.0, 183.0), "A10G": (70.0, 35.0),
 }
-
-
-def model_flops_per_token(cfg: Config, padded_vocab_size: int, ffn_hidden_size: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward; recomputation not counted), as in
-    Megatron-LM's `num_floating_point_operations`: causal attention counts half the score matrix,
-    SwiGLU has three h x ffn GEMMs, GQA shrinks the K/V projections."""
-    m = cfg.model
-    h, s, layers = m.hidden_size, m.seq_length, m.num_layers
-    heads = m.num_attention_heads
-    groups = m.num_query_groups or heads
-    head_dim = m.kv_channels or h // heads
-    qkv = 2 * h * (heads + 2 * groups) * head_dim
-    attention = 2 * 2 * s * heads * head_dim / 2  # q k^T and (probs) v, half the matrix is masked
-    projection = 2 * heads * head_dim * h
-    mlp = 2 * h * ffn_hidden_size * (3 if m.activation == "swiglu" else 2)
-    logits = 2 * h * padded_vocab_size
-    forward = layers * (qkv + attention + projection + mlp) + logits
-    return 3.0 * forward
 
 
 def peak_tflops(device: torch.device, precision: str) -> float | None:
@@ -60,6 +40,12 @@ def memory_gb(device: torch.device) -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 1e9
 
 
+# The keys of a training record; any other numeric key is a named extra loss (models/extra_losses.py),
+# printed after the loss.
+RESERVED_KEYS = frozenset({"iteration", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu",
+                           "mfu", "mem_gb", "step_ms", "consumed_samples", "skipped"})
+
+
 def format_line(record: dict, total_iters: int) -> str:
     def num(key, fmt):
         value = record.get(key)
@@ -70,6 +56,7 @@ def format_line(record: dict, total_iters: int) -> str:
                 f"val ppl {math.exp(min(record['val_loss'], 30)):.2f}")
     parts = [
         f" iter {record['iteration']:>6}/{total_iters}", f"loss {num('loss', '.4f')}",
+        *(f"{key} {num(key, '.4g')}" for key in record if key not in RESERVED_KEYS),
         f"lr {num('lr', '.3e')}", f"grad norm {num('grad_norm', '.3f')}",
         f"{num('tokens_per_s', ',.0f')} tok/s", f"{num('tflops_per_gpu', '.2f')} TFLOP/s/dev",
         f"mfu {num('mfu', '.1%')}", f"mem {num('mem_gb', '.2f')} GB", f"{num('step_ms', '.1f')} ms/step",

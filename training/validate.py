@@ -1,8 +1,10 @@
-"""Cross-field checks on the composed config, run once before any process group exists.
+"""Cross-field checks on the composed config, run once (train.py; the launch scripts' tools/check_config.py
+before they start any process) before any process group exists.
 
 Every problem is one line that names the numbers involved and what to change. `validate` collects
-all problems and raises one ConfigError listing them (one per line); `derive` returns the sizes the
-rest of the run uses (DP size, micro-batches per step, tokens per step).
+all problems and raises one ConfigError listing them (one per line), or returns the sizes the rest of
+the run uses (DP size, micro-batches per step, tokens per step). Choices (activation, precision, ...)
+are Enums in the schema, refused while composing; the model's sizes are read from models/shape.py.
 """
 
 from __future__ import annotations
@@ -10,19 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from models.shape import ModelShape
+from models.spec import block_problem
 from training.config import Config
 from training.errors import ConfigError
-
-CHOICES = {
-    "model.position_embedding": ("rope", "learned"),
-    "model.normalization": ("LayerNorm", "RMSNorm"),
-    "model.activation": ("gelu", "swiglu"),
-    "model.recompute": ("none", "selective", "full"),
-    "model.fused_kernels": ("auto", "on", "off"),
-    "optim.decay_style": ("cosine", "linear", "constant"),
-    "train.precision": ("fp32", "bf16"),
-    "train.nan_policy": ("stop", "skip"),
-}
 
 
 @dataclass(frozen=True)
@@ -31,7 +24,6 @@ class Derived:
     dp: int
     num_microbatches: int  # micro-batches per DP rank per optimizer step (gradient accumulation)
     tokens_per_step: int
-    heads_per_group: int
 
     def describe(self, cfg: Config) -> str:
         t = cfg.train
@@ -54,8 +46,6 @@ def problems(cfg: Config, world_size: int) -> list[str]:
         if not ok:
             out.append(message)
 
-    for key, allowed in CHOICES.items():
-        need(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
     for key in ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length",
                 "parallel.tp", "parallel.pp", "train.micro_batch_size", "train.global_batch_size",
                 "train.log_interval"):
@@ -65,12 +55,13 @@ def problems(cfg: Config, world_size: int) -> list[str]:
         return out
 
     tp, pp = p.tp, p.pp
+    shape = ModelShape.of(m)
     need(world_size % (tp * pp) == 0,
          f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp}: "
          f"start a multiple of {tp * pp} processes (NPROC) or change tp/pp")
     need(m.num_attention_heads % tp == 0,
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={tp}")
-    groups = m.num_query_groups or m.num_attention_heads
+    groups = shape.num_query_groups
     need(m.num_attention_heads % groups == 0,
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
          f"model.num_query_groups={groups}")
@@ -79,8 +70,11 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     need(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
          f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
          f"{m.num_attention_heads}: set model.kv_channels")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    need(ffn % tp == 0, f"model.ffn_hidden_size={ffn} is not divisible by parallel.tp={tp}")
+    need(shape.ffn_hidden_size % tp == 0,
+         f"model.ffn_hidden_size={shape.ffn_hidden_size} is not divisible by parallel.tp={tp}")
+    for key in ("attention", "mlp"):
+        problem = block_problem(getattr(m, key))
+        need(problem is None, f"model.{key}={getattr(m, key)}: {problem}")
     chunks = pp * (p.vpp or 1)
     need(m.num_layers % chunks == 0,
          f"model.num_layers={m.num_layers} is not divisible by parallel.pp * vpp = {pp} * {p.vpp or 1} = "
@@ -150,10 +144,5 @@ def validate(cfg: Config, world_size: int | None = None) -> Derived:
         raise ConfigError("\n".join(found))
     p, t = cfg.parallel, cfg.train
     dp = world_size // (p.tp * p.pp)
-    groups = cfg.model.num_query_groups or cfg.model.num_attention_heads
-    return Derived(
-        world_size=world_size, dp=dp,
-        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
-        tokens_per_step=t.global_batch_size * cfg.model.seq_length,
-        heads_per_group=cfg.model.num_attention_heads // groups,
-    )
+    return Derived(world_size=world_size, dp=dp, num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+                   tokens_per_step=t.global_batch_size * cfg.model.seq_length)

@@ -1,5 +1,5 @@
 """Benchmark helpers for tools/bench.py: timed training steps through the engine's own functions
-(training.build.build, training.loop.train_step / run_schedule) on a fixed synthetic global batch, and
+(training.build.build, training.step.train_step / run_schedule) on a fixed synthetic global batch, and
 Megatron-Core's own GPTModel at the same config, layout and weights, wrapped and stepped the same way.
 
 Megatron-Core's GPTModel goes through the very same code as ours: `build(make_model=...)` with a maker
@@ -17,18 +17,14 @@ from functools import partial
 
 import torch
 
-from training import build as B, dist as D, loop
+from models.shape import ModelShape
+from training import dist as D, step as S
+from training.build import TrainState, build, unwrap
 from training.config import Config
-from training.data import MicroBatches
+from training.data import micro_batch_streams
 from training.errors import ConfigError
+from training.losses import loss_func
 from training.validate import Derived
-
-
-def inner(model: torch.nn.Module) -> torch.nn.Module:
-    """DDP(Float16Module(M)) -> M, for our GPT and Megatron-Core's GPTModel alike."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 @contextlib.contextmanager
@@ -54,18 +50,10 @@ def synthetic_batch(cfg: Config, vocab_size: int, seed: int = 0) -> list[dict]:
     return [{"tokens": row[:-1], "labels": row[1:], "loss_mask": mask} for row in text]
 
 
-def batch_iterators(t, batch: list[dict], cfg: Config, derived: Derived):
-    """A fresh iterator factory: every call streams the same global batch from its start (as
-    training.loop.chunk_iterators does for a dataset), for every chunk that reads data."""
-    from megatron.core import parallel_state
-
-    def make():
-        dp_rank = parallel_state.get_data_parallel_rank()
-        streams = [MicroBatches(batch, 0, cfg.train.micro_batch_size, derived.dp, dp_rank)
-                   if (inner(m).pre_process or inner(m).post_process) else None for m in t.model]
-        return streams if len(streams) > 1 else streams[0]
-
-    return make
+def batch_streams(state: TrainState, batch: list[dict], cfg: Config):
+    """A fresh streams factory: every call streams the same global batch from its start, as training.loop
+    does for a dataset (training.data.micro_batch_streams)."""
+    return lambda: micro_batch_streams(len(state.model), batch, 0, cfg.train.micro_batch_size)
 
 
 # --- Megatron-Core's GPTModel ------------------------------------------------------------------------------
@@ -82,25 +70,21 @@ def mcore_layer_spec(config, use_te: bool):
 
 
 def mcore_model_maker(use_te: bool):
-    """make_model for training.build: Megatron-Core's GPTModel with our options."""
+    """make_model for training.build: Megatron-Core's GPTModel at our shape."""
     from megatron.core.models.gpt import GPTModel
 
-    from models.gpt import padded_vocab_size
-
-    def make_model(config, options, pre_process, post_process, vp_stage):
-        padded = padded_vocab_size(options.vocab_size, options.make_vocab_size_divisible_by,
-                                   config.tensor_model_parallel_size)
+    def make_model(config, shape: ModelShape, pre_process, post_process, vp_stage):
         return GPTModel(
-            config, mcore_layer_spec(config, use_te), vocab_size=padded,
-            max_sequence_length=options.max_sequence_length, pre_process=pre_process, post_process=post_process,
-            share_embeddings_and_output_weights=options.tie_embeddings,
-            position_embedding_type="rope" if options.position_embedding == "rope" else "learned_absolute",
-            rotary_base=options.rotary_base, vp_stage=vp_stage)
+            config, mcore_layer_spec(config, use_te), vocab_size=shape.padded_vocab(config.tensor_model_parallel_size),
+            max_sequence_length=shape.seq_length, pre_process=pre_process, post_process=post_process,
+            share_embeddings_and_output_weights=shape.tie_embeddings,
+            position_embedding_type="rope" if shape.position_embedding == "rope" else "learned_absolute",
+            rotary_base=shape.rotary_base, vp_stage=vp_stage)
 
     return make_model
 
 
-def build_mcore(cfg: Config, vocab_size: int, device: torch.device, use_te: bool = False):
+def build_mcore(cfg: Config, shape: ModelShape, device: torch.device, use_te: bool = False) -> TrainState:
     """Megatron-Core's GPTModel through training.build.build: DDP, optimizer, scheduler, hooks as ours."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import HAVE_APEX, HAVE_TE
@@ -111,21 +95,21 @@ def build_mcore(cfg: Config, vocab_size: int, device: torch.device, use_te: bool
         raise ConfigError("Megatron-Core's local spec has no sequence-parallel norm here (torch's norm refuses "
                           "parallel.sp; apex has one for LayerNorm only): compare without parallel.sp, or with "
                           "--te where Transformer Engine is installed")
-    t = B.build(cfg, vocab_size, device, make_model=mcore_model_maker(use_te))
-    assert isinstance(inner(t.model[0]), GPTModel)
-    return t
+    state = build(cfg, shape, device, make_model=mcore_model_maker(use_te))
+    assert isinstance(unwrap(state.model[0]), GPTModel)
+    return state
 
 
 def mcore_forward_step(data_iterator, model):
-    """training.loop.forward_step for GPTModel's signature (it needs position ids for learned positions)."""
+    """training.step.forward_step for GPTModel's signature (it needs position ids for learned positions)."""
     batch = next(data_iterator) if data_iterator is not None else None
-    gpt, device = inner(model), D.current_device()
+    gpt, device = unwrap(model), D.current_device()
     tokens = batch["tokens"].to(device) if gpt.pre_process else None  # [b, s]
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens) if gpt.pre_process else None
     labels = batch["labels"].to(device) if gpt.post_process else None  # [b, s]
     output = model(tokens, positions, None, labels=labels)
     mask = batch["loss_mask"].to(device) if gpt.post_process else None
-    return output, partial(loop.loss_func, mask)
+    return output, partial(loss_func, mask)
 
 
 # Megatron-Core's TE spec fuses each pre-norm into the linear after it (TELayerNormColumnParallelLinear), so
@@ -143,11 +127,11 @@ def mcore_name(name: str, theirs: dict) -> str:
     return name
 
 
-def copy_weights(src, dst) -> None:
+def copy_weights(src: TrainState, dst: TrainState) -> None:
     """Our chunks' parameters into Megatron-Core's (same names, same shards on every rank)."""
     for a, b in zip(src.model, dst.model):
-        theirs = dict(inner(b).named_parameters())
-        ours = {mcore_name(name, theirs): param for name, param in inner(a).named_parameters()}
+        theirs = dict(unwrap(b).named_parameters())
+        ours = {mcore_name(name, theirs): param for name, param in unwrap(a).named_parameters()}
         if set(ours) != set(theirs):
             raise RuntimeError(f"parameter names differ: only ours {sorted(set(ours) - set(theirs))}, "
                                f"only Megatron-Core's {sorted(set(theirs) - set(ours))}")
@@ -167,15 +151,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(t, make_iters, derived: Derived, cfg: Config, device, steps: int,
-               step=loop.forward_step) -> list[float]:
-    """Seconds per training step (forward + backward + optimizer), each through loop.train_step."""
+def time_steps(state: TrainState, make_streams, derived: Derived, cfg: Config, device, steps: int,
+               step=S.forward_step) -> list[float]:
+    """Seconds per training step (forward + backward + optimizer), each through training.step.train_step."""
     times = []
     for _ in range(steps):
-        iterators = make_iters()
+        streams = make_streams()
         sync(device)
         start = time.perf_counter()
-        loop.train_step(t, iterators, derived, cfg, device, step=step)
+        S.train_step(state, streams, derived, cfg, device, step=step)
         sync(device)
         times.append(time.perf_counter() - start)
     return times
@@ -198,7 +182,7 @@ class _Timer:
             self.total += time.perf_counter() - start
 
 
-def breakdown(t, make_iters, derived: Derived, cfg: Config, device, steps: int) -> dict:
+def breakdown(state: TrainState, make_streams, derived: Derived, cfg: Config, device, steps: int) -> dict:
     """Where a step's time goes: forward (data, model, loss), backward, finalize_model_grads (grad
     reduction), optimizer.step, the rest of the schedule (its own code; with PP also the pipeline's
     send/receive waits, i.e. the bubble), and the loop's own code (train_step minus
@@ -209,12 +193,12 @@ def breakdown(t, make_iters, derived: Derived, cfg: Config, device, steps: int) 
     from megatron.core.pipeline_parallel import schedules
 
     fwd, bwd = _Timer(schedules.forward_step, device), _Timer(schedules.backward_step, device)
-    fin, opt = _Timer(t.config.finalize_model_grads_func, device), _Timer(t.optimizer.step, device)
-    sched = _Timer(loop.run_schedule, device)
+    fin, opt = _Timer(state.config.finalize_model_grads_func, device), _Timer(state.optimizer.step, device)
+    sched = _Timer(S.run_schedule, device)
     with swapped(schedules, "forward_step", fwd), swapped(schedules, "backward_step", bwd), \
-            swapped(t.config, "finalize_model_grads_func", fin), swapped(t.optimizer, "step", opt), \
-            swapped(loop, "run_schedule", sched):
-        total = sum(time_steps(t, make_iters, derived, cfg, device, steps))
+            swapped(state.config, "finalize_model_grads_func", fin), swapped(state.optimizer, "step", opt), \
+            swapped(S, "run_schedule", sched):
+        total = sum(time_steps(state, make_streams, derived, cfg, device, steps))
     parts = {"forward": fwd.total, "backward": bwd.total, "finalize_grads": fin.total,
              "schedule_other": sched.total - fwd.total - bwd.total - fin.total, "optimizer": opt.total,
              "loop_overhead": total - sched.total - opt.total}

@@ -1,10 +1,10 @@
-"""Preflight: before the model is built, estimate this layout's per-GPU memory (training/memory.py,
+"""Preflight: before the model is built, estimate this layout's per-GPU memory (training/tools/memory.py,
 the planner's arithmetic) and record the software environment, so a run that cannot fit stops in
 seconds with numbers instead of an out-of-memory error minutes later, and every run dir says what
 it ran on.
 
-    from training.preflight import preflight
-    preflight(cfg, derived, info.device, run_dir, vocab_size)   # every rank, after the process group
+    from training.tools.preflight import preflight
+    preflight(cfg, derived, shape, info.device, run_dir)   # every rank, after the process group
 
 Every rank computes the same estimate and raises the same ConfigError (no rank waits on a peer that
 left); only global rank 0 prints and writes <run dir>/environment.json. On CPU nothing is enforced:
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from models.shape import ModelShape
 from training.config import Config
 from training.errors import ConfigError
-from training.memory import GB, Estimate, Layout, estimate
+from training.tools.memory import GB, Estimate, Layout, estimate
 from training.validate import Derived
 
 # Distributions whose versions explain a run's numbers (torch: its own __version__, which names the
@@ -87,12 +88,12 @@ def check(est: Estimate, capacity_bytes: int | None, fraction: float, model: str
             f"parallel.dist_opt=true (dp {lay.dp}), or a smaller train.micro_batch_size")
 
 
-def preflight(cfg: Config, derived: Derived, device: torch.device, run_dir: str | Path,
-              vocab_size: int) -> Estimate:
+def preflight(cfg: Config, derived: Derived, shape: ModelShape, device: torch.device,
+              run_dir: str | Path) -> Estimate:
     """Print the estimate (rank 0), write the environment report (rank 0), stop on GPU if it cannot fit."""
     from training.dist import is_rank0, print0
 
-    est = estimate(cfg, Layout.of(cfg, derived.dp), vocab_size, derived.num_microbatches)
+    est = estimate(cfg, shape, Layout.of(cfg, derived.dp), derived.num_microbatches)
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     budget = "" if capacity is None else \
         f"; budget {capacity * cfg.train.max_memory_fraction / GB:.1f} GB of {capacity / GB:.1f} GB"

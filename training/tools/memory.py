@@ -1,14 +1,15 @@
 """Per-GPU memory of a training layout, estimated before anything is allocated (tools/plan.py ranks
-layouts with it; training/preflight.py stops a run that cannot fit).
+layouts with it; training/tools/preflight.py stops a run that cannot fit).
 
-    est = estimate(cfg, Layout.of(cfg, dp), vocab_size, num_microbatches)
+    est = estimate(cfg, shape, Layout.of(cfg, dp), num_microbatches)     # shape: models/shape.py
     est.mem_gb()   # {"weights_and_optimizer": ..., "activations": ..., "total": ...}
 
 Weights + gradients + optimizer state, per parameter on one GPU: bf16 params, fp32 gradients
 (bridge.ddp_config sets grad_reduce_in_fp32) and Adam's fp32 main params, exp_avg and exp_avg_sq:
 2 + 4 + 12 = 18 bytes; the distributed optimizer shards the 12 over DP: 6 + 12/dp. fp32 runs have no
 separate main copy: 4 + 4 + 8 = 16, or 8 + 8/dp. Parameters are counted from the real shapes of models/
-(padded vocab, fused GQA QKV, SwiGLU's doubled fc1, biases, norms, learned positions, tied or not).
+(models.gpt.num_params: each block declares its own count, and a test checks the sum against the built
+model for every preset).
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198, Table 2: sbh(34 + 5as/h) bytes per layer with 2-byte activations), term by
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from training.config import Config, ModelConfig
+from models.shape import ModelShape
+from training.config import Config
 
 GB = 1e9  # decimal gigabytes, as metrics.jsonl's mem_gb
 
@@ -74,74 +76,32 @@ class Estimate:
                 f"{self.stage} ({self.params_per_gpu / 1e6:,.1f} M of {self.params_total / 1e6:,.1f} M parameters)")
 
 
-def _dims(m: ModelConfig) -> tuple[int, int, int, int]:
-    """(query width, K/V width, ffn width, fc1 output width) of one layer, unsharded."""
-    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size  # bridge.ffn_hidden_size's default
-    return m.num_attention_heads * head_dim, groups * head_dim, ffn, 2 * ffn if m.activation == "swiglu" else ffn
-
-
-def _norm_params(m: ModelConfig) -> int:
-    return m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)  # weight (+ bias for LayerNorm)
-
-
-def layer_params(m: ModelConfig, tp: int) -> int:
-    """One transformer layer on one TP rank: column-parallel weights and biases (QKV, fc1) and
-    row-parallel weights (proj, fc2) are split; row-parallel biases and the two norms are replicated."""
-    h = m.hidden_size
-    q, kv, ffn, fc1 = _dims(m)
-    split = h * (q + 2 * kv) + q * h + h * fc1 + ffn * h
-    replicated = 2 * _norm_params(m)
-    if m.add_bias_linear:
-        split += q + 2 * kv + fc1
-        replicated += 2 * h
-    return split // tp + replicated
-
-
-def stage_params(m: ModelConfig, padded_vocab: int, tp: int, pp: int, stage: int) -> int:
-    """Parameters on one GPU of pipeline rank `stage` (all its virtual chunks): its layers; the first
-    stage adds the vocab-parallel embedding (+ learned positions, replicated over TP); the last adds the
-    final norm and the output layer, which is its own weight unless tied within one stage (with tied
-    embeddings and pp > 1 the last stage holds a copy, with its own gradient and optimizer state)."""
-    n = m.num_layers // pp * layer_params(m, tp)
-    if stage == 0:
-        n += padded_vocab * m.hidden_size // tp
-        if m.position_embedding == "learned":
-            n += m.seq_length * m.hidden_size
-    if stage == pp - 1:
-        n += _norm_params(m)
-        if not m.tie_embeddings or pp > 1:
-            n += padded_vocab * m.hidden_size // tp
-    return n
-
-
 def bytes_per_param(precision: str, dist_opt: bool, dp: int) -> float:
     param, grad, optimizer = (2, 4, 12) if precision == "bf16" else (4, 4, 8)
     return param + grad + optimizer / (dp if dist_opt else 1)
 
 
-def layer_activations(cfg: Config, lay: Layout, flash_attention: bool) -> float:
+def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool) -> float:
     """Bytes one layer keeps for backward, for one micro-batch, on one GPU (Korthikanti Table 2)."""
     m = cfg.model
-    s, b, h, t = m.seq_length, cfg.train.micro_batch_size, m.hidden_size, lay.tp
+    s, b, h, t = shape.seq_length, cfg.train.micro_batch_size, shape.hidden_size, lay.tp
     e = 2 if cfg.train.precision == "bf16" else 4  # bytes per activation element
     seq_split = t if lay.sp else 1  # SP shards the TP-replicated tensors along the sequence
     if lay.recompute == "full":  # only the layer's input survives; the rest is recomputed in backward
         return e * s * b * h / seq_split
-    q, kv, ffn, _ = _dims(m)
+    q, kv, ffn = shape.q_width, shape.kv_width, shape.ffn_hidden_size
     mask = 1 if m.hidden_dropout > 0 else 0  # dropout masks: one byte per element
     # 2 norm inputs, the inputs of QKV and fc1 (kept sequence-sharded under SP), 2 hidden-dropout masks
     out = s * b * h * (4 * e + 2 * mask) / seq_split
     # TP-sharded: Q and K (for q k^T), V, and the attention output (the projection's input)
     out += e * s * b * (2 * q + 2 * kv) / t
-    if m.position_embedding == "rope":  # unfused RoPE: rotated copies of Q and K (QKV's output stays as V)
+    if shape.position_embedding == "rope":  # unfused RoPE: rotated copies of Q and K (QKV's output stays as V)
         out += e * s * b * (q + kv) / t
     # GELU keeps its input and output; SwiGLU the fc1 output (gate|up), SiLU(gate) and the product
-    out += e * s * b * ffn * (4 if m.activation == "swiglu" else 2) / t
+    out += e * s * b * ffn * (4 if shape.gated else 2) / t
     if lay.recompute == "none" and not flash_attention:  # materialised s x s scores: softmax output,
         dropout = 1 + e if m.attention_dropout > 0 else 0  # + dropout mask and dropout output
-        out += (e + dropout) * m.num_attention_heads * s * s * b / t
+        out += (e + dropout) * shape.num_attention_heads * s * s * b / t
     return out
 
 
@@ -158,35 +118,32 @@ def layers_in_flight(num_layers: int, lay: Layout, num_microbatches: int, stage:
     return per_stage // lay.vpp * chunks
 
 
-def stage_activations(cfg: Config, lay: Layout, padded_vocab: int, num_microbatches: int, stage: int,
+def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int, stage: int,
                       flash_attention: bool) -> float:
-    m = cfg.model
-    out = layer_activations(cfg, lay, flash_attention) * layers_in_flight(m.num_layers, lay, num_microbatches, stage)
+    in_flight = layers_in_flight(shape.num_layers, lay, num_microbatches, stage)
+    out = layer_activations(cfg, shape, lay, flash_attention) * in_flight
     if lay.recompute == "full":  # backward recomputes one layer at a time: its activations live once
-        out += layer_activations(cfg, replace(lay, recompute="none"), flash_attention)
+        out += layer_activations(cfg, shape, replace(lay, recompute="none"), flash_attention)
     if stage == lay.pp - 1:  # final norm and output-layer inputs; logits and cross-entropy's fp32 softmax
         e = 2 if cfg.train.precision == "bf16" else 4
-        s, b = m.seq_length, cfg.train.micro_batch_size
-        out += 2 * e * s * b * m.hidden_size / (lay.tp if lay.sp else 1)
-        out += (e + 4) * s * b * padded_vocab / lay.tp
+        s, b = shape.seq_length, cfg.train.micro_batch_size
+        out += 2 * e * s * b * shape.hidden_size / (lay.tp if lay.sp else 1)
+        out += (e + 4) * s * b * shape.padded_vocab(lay.tp) / lay.tp
     return out
 
 
-def estimate(cfg: Config, lay: Layout, vocab_size: int, num_microbatches: int,
+def estimate(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int,
              flash_attention: bool = True) -> Estimate:
     """The most-loaded pipeline stage (first or last) of `lay`. flash_attention=True by default because
     models/attention.py calls scaled_dot_product_attention, whose GPU kernels keep no s x s scores."""
-    from models import padded_vocab_size
+    from models.gpt import num_params
 
-    m = cfg.model
-    vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, lay.tp)
     per_param = bytes_per_param(cfg.train.precision, lay.dist_opt, lay.dp)
-    total = stage_params(m, padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, 1), 1, 1, 0)
     worst = None
     for stage in sorted({0, lay.pp - 1}):
-        params = stage_params(m, vocab, lay.tp, lay.pp, stage)
-        candidate = Estimate(lay, total, params, stage, params * per_param,
-                             stage_activations(cfg, lay, vocab, num_microbatches, stage, flash_attention))
+        params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp)
+        candidate = Estimate(lay, num_params(shape), params, stage, params * per_param,
+                             stage_activations(cfg, shape, lay, num_microbatches, stage, flash_attention))
         if worst is None or candidate.total > worst.total:
             worst = candidate
     return worst

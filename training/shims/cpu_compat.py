@@ -32,7 +32,7 @@ The patches, narrowest first:
 
 What this module does not cover (not reached by a training step on CPU): TE/apex kernels, CUDA graphs,
 `torch.autocast("cuda")` (keep `enable_autocast` off), FSDP, inference, the grad scaler (fp16 only; we
-train fp32/bf16). The torch.compile'd fusions need no patch (model.fused_kernels=on runs on CPU, tested).
+train fp32/bf16). The torch.compile'd fusions need no patch (model.fused_kernels=true runs on CPU, tested).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def check_mcore_version(installed: str | None = None) -> None:
     if installed != SUPPORTED_MCORE_VERSION:
         raise McoreVersionError(
             f"megatron-core {installed} found, but this template is pinned to megatron-core=="
-            f"{SUPPORTED_MCORE_VERSION} (training/cpu_compat.py patches version-specific call sites): "
+            f"{SUPPORTED_MCORE_VERSION} (training/shims/cpu_compat.py patches version-specific call sites): "
             f"run `make setup` or `pip install megatron-core=={SUPPORTED_MCORE_VERSION}`"
         )
 
@@ -128,7 +128,7 @@ def _cpu_factory(fn):
         return fn(*args, **kwargs)
 
     factory.__name__ = fn.__name__
-    factory.__doc__ = f"{fn.__name__} with CUDA devices mapped to cpu (training/cpu_compat.py, patch 1)"
+    factory.__doc__ = f"{fn.__name__} with CUDA devices mapped to cpu (training/shims/cpu_compat.py, patch 1)"
     return factory
 
 

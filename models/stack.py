@@ -19,18 +19,27 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from models.layer import TransformerLayer
 from models.norm import Norm
+from models.shape import ModelShape
+
+
+def stage_layer_numbers(num_layers: int, pp: int, vpp: int | None, stage: int) -> list[int]:
+    """The layer numbers (1-based) pipeline rank `stage` holds over all its virtual chunks, by the rule
+    above: what Megatron-Core's helpers give each chunk (the memory estimate reads it; a test compares)."""
+    chunks = vpp or 1
+    per_chunk = num_layers // (pp * chunks)
+    return [v * num_layers // chunks + stage * per_chunk + i + 1 for v in range(chunks) for i in range(per_chunk)]
 
 
 class TransformerStack(MegatronModule):
-    def __init__(self, config: TransformerConfig, post_process: bool, vp_stage: int | None):
+    def __init__(self, config: TransformerConfig, shape: ModelShape, post_process: bool, vp_stage: int | None):
         super().__init__(config=config)
         self.vp_stage = vp_stage
         self.offset = get_transformer_layer_offset(config, vp_stage)
         count = get_num_layers_to_build(config, vp_stage)
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, layer_number=self.offset + i + 1) for i in range(count)
+            TransformerLayer(config, shape, layer_number=self.offset + i + 1) for i in range(count)
         )
-        self.final_layernorm = Norm(config, config.hidden_size) if post_process else None
+        self.final_layernorm = Norm(config) if post_process else None
         self.full_recompute = config.recompute_granularity == "full"
 
     def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None):  # [s(/tp), b, h]

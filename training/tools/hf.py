@@ -3,7 +3,7 @@ config, safetensors in and out (sharded or not, read lazily), weights into and o
 whole model's logits at any layout (TP shards and PP stages gathered) for the logits check.
 
 Which HF tensor becomes which of our parameters is declared next to each block in models/ (`from_hf` /
-`to_hf` at the end of models/attention.py, mlp.py, norm.py, embedding.py, layer.py, gpt.py). `transformers`
+`to_hf` static methods of the block classes in models/; models/gpt.py walks them). `transformers`
 is needed only for the logits check and for export's config.json; `safetensors` for the weights (extra `hf`).
 """
 
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from models import gpt as gpt_module
-from training.build import unwrap
+from models.shape import ModelShape
+from training.build import TrainState, unwrap
 from training.errors import TemplateError
 
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some older checkpoints saved: recomputed
@@ -59,24 +60,23 @@ def model_fields(hf: dict) -> dict:
         init_method_std=float(hf.get("initializer_range", 0.02)))
 
 
-def llama_config(model: dict, vocab_size: int, precision: str):
-    """Our model config (run.json's config.model) -> a transformers LlamaConfig."""
+def llama_config(shape: ModelShape, model, precision: str):
+    """Our model's shape (+ its config's dropout and init std) -> a transformers LlamaConfig."""
     import transformers
 
-    wrong = {k: model[k] for k, ok in (("position_embedding", "rope"), ("normalization", "RMSNorm"),
-                                       ("activation", "swiglu")) if model[k] != ok}
+    wrong = {k: getattr(shape, k) for k, ok in (("position_embedding", "rope"), ("normalization", "RMSNorm"),
+                                                ("activation", "swiglu")) if getattr(shape, k) != ok}
     if wrong:
         raise HFError(f"only Llama-style models export to Hugging Face (rope, RMSNorm, swiglu); this one has {wrong}")
-    heads, hidden = model["num_attention_heads"], model["hidden_size"]
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     return transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=model["ffn_hidden_size"] or 4 * hidden,
-        num_hidden_layers=model["num_layers"], num_attention_heads=heads,
-        num_key_value_heads=model["num_query_groups"] or heads, head_dim=model["kv_channels"] or hidden // heads,
-        max_position_embeddings=model["seq_length"], rope_theta=model["rotary_base"],
-        rms_norm_eps=model["norm_epsilon"], hidden_act="silu", tie_word_embeddings=model["tie_embeddings"],
-        attention_bias=model["add_bias_linear"], mlp_bias=model["add_bias_linear"],
-        attention_dropout=model["attention_dropout"], initializer_range=model["init_method_std"],
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+        max_position_embeddings=shape.seq_length, rope_theta=shape.rotary_base,
+        rms_norm_eps=shape.norm_epsilon, hidden_act="silu", tie_word_embeddings=shape.tie_embeddings,
+        attention_bias=shape.add_bias_linear, mlp_bias=shape.add_bias_linear,
+        attention_dropout=model.attention_dropout, initializer_range=model.init_method_std,
         bos_token_id=None, eos_token_id=None, architectures=["LlamaForCausalLM"],
         **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
 
@@ -142,13 +142,13 @@ def write_safetensors(items, directory: Path, max_shard_bytes: int) -> int:
 
 # ---- weights into / out of a built GPT (one process, tp=1, pp=1) ----------------------------------------------
 
-def load_hf_weights(t, get) -> int:
+def load_hf_weights(state: TrainState, get) -> int:
     """Copy HF tensors (get(name)) into this single-process model, every parameter exactly once; returns count."""
-    gpt = unwrap(t.model[0])
+    gpt = unwrap(state.model[0])
     params = dict(gpt.named_parameters())
     count = 0
     with torch.no_grad():
-        for name, tensor in gpt_module.from_hf(get, gpt.config, gpt.options):
+        for name, tensor in _hf_errors(gpt_module.from_hf, get, gpt.config, state.shape):
             param = params.pop(name, None)
             if param is None or param.shape != tensor.shape:
                 raise HFError(f"{name}: converted shape {tuple(tensor.shape)} does not fit the model's "
@@ -157,27 +157,35 @@ def load_hf_weights(t, get) -> int:
             count += tensor.numel()
     if params:
         raise HFError(f"parameters the Hugging Face mapping does not fill: {sorted(params)}")
-    if t.optimizer is not None:
-        t.optimizer.reload_model_params()  # bf16: the fp32 main params follow
+    if state.optimizer is not None:
+        state.optimizer.reload_model_params()  # bf16: the fp32 main params follow
     return count
 
 
-def hf_tensors(t):
+def hf_tensors(state: TrainState):
     """(HF name, full tensor) for every weight of this single-process model, vocab padding dropped."""
-    gpt = unwrap(t.model[0])
+    gpt = unwrap(state.model[0])
     params = dict(gpt.named_parameters())
-    return gpt_module.to_hf(lambda name: params[name].detach(), gpt.config, gpt.options)
+    return _hf_errors(gpt_module.to_hf, lambda name: params[name].detach(), gpt.config, state.shape)
+
+
+def _hf_errors(walk, *args):
+    """models/gpt.py's walk, its ValueErrors (a model Llama cannot express) as HFError."""
+    try:
+        yield from walk(*args)
+    except ValueError as err:
+        raise HFError(str(err)) from err
 
 
 # ---- logits ------------------------------------------------------------------------------------------------
 
-def full_logits(t, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+def full_logits(state: TrainState, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
     """The whole model's logits [b, s, vocab_size] (fp32) for tokens [b, s] at this run's layout, through
     Megatron-Core's pipeline schedule (forward only) with the TP vocab shards gathered; returned on the last
     pipeline stage's ranks, None on the others. Every rank of the job must call it."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if len(t.model) > 1:
+    if len(state.model) > 1:
         raise HFError("the logits check runs at parallel.vpp=null (the interleaved schedule needs a multiple of "
                       "pp micro-batches)")
     device = tokens.device
@@ -185,12 +193,12 @@ def full_logits(t, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None
     def step(_, model):  # loss_func None: the schedule keeps the last stage's output as it is
         return model(tokens if unwrap(model).pre_process else None), None
 
-    for chunk in t.model:
+    for chunk in state.model:
         chunk.eval()
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=step, data_iterator=None,
-            model=t.model, num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
+            model=state.model, num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
             forward_only=True)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None

@@ -1,0 +1,102 @@
+"""Which blocks a transformer layer is made of: a small typed spec built from the model's shape.
+
+    spec = layer_spec(shape, layer_number)        # LayerSpec(input_layernorm=Norm, self_attention=..., ...)
+    for name, block in spec.items(): ...          # the layer builds block(config, layer_number) as `name`
+
+The config names the attention and MLP blocks (`model.attention`, `model.mlp`): a short name from BLOCKS
+or any importable `package.module:Class`, so a new block is its own file plus a config value, with no
+edit of the layer, the stack or the engine. A block is a Megatron-Core `MegatronModule` class:
+
+    Block(config: TransformerConfig, layer_number: int)   forward as the layer calls it (attention:
+                                                           (x, rotary_freqs), the others: (x)); returns
+                                                           (out, bias or None), norms return out
+    Block.num_params(shape, tp) -> int                     parameters on one TP rank (the memory estimate,
+                                                           checked against the built model for every preset)
+    Block.flops_per_token(shape) -> float                  forward FLOPs per token (2 per multiply-add)
+    Block.extra_losses: tuple[str, ...] = ()               names of the extra losses it attaches
+                                                           (models/extra_losses.py), logged like the loss
+    Block.from_hf / Block.to_hf (optional)                 its Hugging Face (Llama) weight mapping
+
+The sub-block names are Megatron-Core's (`input_layernorm`, `self_attention`, `pre_mlp_layernorm`, `mlp`),
+so parameter names match its GPTModel and the checkpoints line up.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass, fields
+
+from models.shape import ModelShape
+
+# Built-in blocks by name; anything else is named as "package.module:Class".
+BLOCKS = {
+    "self_attention": "models.attention:SelfAttention",  # fused-QKV GQA, RoPE, SDPA
+    "mlp": "models.mlp:MLP",  # GELU, or SwiGLU with one fused gate|up weight
+    "gated_mlp": "models.gated_mlp:GatedMLP",  # the README's example: separate gate and up projections
+}
+
+
+class BlockError(ValueError):
+    pass
+
+
+def resolve_block(name: str) -> type:
+    """A block class from its BLOCKS name or `package.module:Class`."""
+    target = BLOCKS.get(name, name)
+    module_name, _, class_name = target.partition(":")
+    if not class_name:
+        raise BlockError(f"unknown block {name!r}: use one of {', '.join(BLOCKS)} or 'package.module:Class'")
+    try:
+        block = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as err:
+        raise BlockError(f"block {name!r}: cannot import {target} ({err})") from err
+    missing = [m for m in ("num_params", "flops_per_token") if not callable(getattr(block, m, None))]
+    if missing:
+        raise BlockError(f"block {target} has no {' or '.join(missing)}: every block declares its parameter "
+                         f"count and FLOPs (see models/spec.py)")
+    return block
+
+
+def block_problem(name: str) -> str | None:
+    """Why `name` cannot be a block, or None. Built-in names are not imported (the config check before
+    launching stays free of Megatron-Core's import); a `package.module:Class` is imported and checked."""
+    if name in BLOCKS:
+        return None
+    try:
+        resolve_block(name)
+    except BlockError as err:
+        return str(err)
+    return None
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's sub-blocks in forward order; the field names are the layer's module names."""
+
+    input_layernorm: type
+    self_attention: type
+    pre_mlp_layernorm: type
+    mlp: type
+
+    def items(self) -> list[tuple[str, type]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+def layer_spec(shape: ModelShape, layer_number: int) -> LayerSpec:
+    """The blocks of layer `layer_number` (1-based, global across pipeline stages)."""
+    from models.norm import Norm
+
+    blocks = shape.layers[layer_number - 1]
+    return LayerSpec(input_layernorm=Norm, self_attention=resolve_block(blocks.attention),
+                     pre_mlp_layernorm=Norm, mlp=resolve_block(blocks.mlp))
+
+
+@functools.lru_cache(maxsize=None)
+def extra_loss_names(shape: ModelShape) -> tuple[str, ...]:
+    """Every extra loss any layer attaches, in a fixed order (the same on every rank)."""
+    names: dict[str, None] = {}
+    for number in range(1, shape.num_layers + 1):
+        for _, block in layer_spec(shape, number).items():
+            names.update(dict.fromkeys(getattr(block, "extra_losses", ())))
+    return tuple(names)

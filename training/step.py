@@ -1,0 +1,90 @@
+"""One training step, top to bottom, and one evaluation pass.
+
+    result = train_step(state, streams, derived, cfg, device)   # StepResult(loss, grad_norm, skipped, extra)
+
+A step: zero the gradient buffers -> Megatron-Core's pipeline schedule (`get_forward_backward_func`: no
+pipelining, 1F1B, or interleaved 1F1B) runs forward and backward over this DP rank's micro-batches and
+calls `finalize_model_grads` (DP reduction, SP norm grads, tied-embedding grads, division by the global
+batch's token count) -> the LM loss reduced to the global-batch token mean and the extra losses to
+theirs -> the NaN/Inf check -> `optimizer.step()` (clipping inside) -> the scheduler step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from models.spec import extra_loss_names
+from training import dist as D
+from training.build import TrainState, unwrap
+from training.config import Config, NanPolicy
+from training.errors import TemplateError
+from training.losses import extra_losses, global_loss, loss_func
+from training.validate import Derived
+
+
+class NonFiniteLoss(TemplateError):
+    pass
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global-batch token mean of the LM loss (identical on every rank)
+    grad_norm: float | None  # before clipping; None when the step was skipped
+    skipped: bool  # no update (train.nan_policy=skip and a non-finite loss)
+    extra: dict[str, float | None] = field(default_factory=dict)  # the named extra losses, global means
+
+
+def forward_step(data_iterator, model):
+    """Called by the schedule once per micro-batch and model chunk."""
+    batch = next(data_iterator) if data_iterator is not None else None
+    gpt, device = unwrap(model), D.current_device()
+    tokens = batch["tokens"].to(device) if gpt.pre_process else None  # [b, s]
+    labels = batch["labels"].to(device) if gpt.post_process else None  # [b, s]
+    output = model(tokens, labels)  # [b, s] token losses on the last stage, activations elsewhere
+    mask = batch["loss_mask"].to(device) if gpt.post_process else None
+    return output, partial(loss_func, mask)
+
+
+def run_schedule(state: TrainState, streams, derived: Derived, cfg: Config, forward_only: bool,
+                 step=forward_step) -> list[dict]:
+    """The pipeline schedule over one global batch; returns the last stage's per-micro-batch reports."""
+    return get_forward_backward_func()(
+        forward_step_func=step, data_iterator=streams, model=state.model,
+        num_microbatches=derived.num_microbatches, seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.train.micro_batch_size, forward_only=forward_only)
+
+
+def train_step(state: TrainState, streams, derived: Derived, cfg: Config, device: torch.device,
+               step=forward_step) -> StepResult:
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    reports = run_schedule(state, streams, derived, cfg, forward_only=False, step=step)
+    loss = global_loss(reports, device).item()
+    extra = extra_losses(extra_loss_names(state.shape), device)
+    if not math.isfinite(loss):
+        if cfg.train.nan_policy == NanPolicy.stop:
+            raise NonFiniteLoss(f"loss is {loss} at this step: stopping (train.nan_policy=stop); the last "
+                                f"checkpoint is intact. Lower optim.lr or set train.nan_policy=skip")
+        return StepResult(loss, None, True, extra)  # skip: no update, gradients are zeroed next step
+    _, grad_norm, _ = state.optimizer.step()
+    state.scheduler.step(increment=1)
+    return StepResult(loss, None if grad_norm is None else float(grad_norm), False, extra)
+
+
+def evaluate(state: TrainState, make_streams, derived: Derived, cfg: Config, device: torch.device) -> float:
+    """The mean over train.eval_iters global batches of the LM loss (forward only)."""
+    for chunk in state.model:
+        chunk.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for _ in range(cfg.train.eval_iters):
+            total += global_loss(run_schedule(state, make_streams(), derived, cfg, forward_only=True), device)
+    for chunk in state.model:
+        chunk.train()
+    return (total / cfg.train.eval_iters).item()
