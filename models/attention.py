@@ -14,7 +14,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from models.shape import ModelShape
+from models.shape import ModelShape, Split
 
 class ApplyRope(torch.autograd.Function):
     """RoPE, non-interleaved: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] on the halves.
@@ -111,10 +111,11 @@ class SelfAttention(MegatronModule):
         return ApplyRope.apply(q, cos, sin), ApplyRope.apply(k, cos, sin)
 
     @staticmethod
-    def num_params(shape: ModelShape, tp: int) -> int:
+    def num_params(shape: ModelShape, split: Split) -> int:
         h, q, kv = shape.hidden_size, shape.q_width, shape.kv_width
-        split = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.add_bias_linear else 0)  # qkv, proj, qkv bias
-        return split // tp + (h if shape.add_bias_linear else 0)  # RowParallelLinear's bias is replicated
+        bias = shape.add_bias_linear
+        sharded = h * (q + 2 * kv) + q * h + (q + 2 * kv if bias else 0)  # qkv and proj weights, qkv bias
+        return sharded // split.tp + (h if bias else 0)  # RowParallelLinear's bias is replicated
 
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:

@@ -11,7 +11,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.shape import ModelShape
+from models.shape import ModelShape, Split
 
 
 class Embedding(MegatronModule):
@@ -42,10 +42,10 @@ class Embedding(MegatronModule):
         return self.dropout(x)
 
     @staticmethod
-    def num_params(shape: ModelShape, tp: int) -> int:
+    def num_params(shape: ModelShape, split: Split) -> int:
         """The vocab-parallel table (padded rows split over TP) + learned positions (replicated)."""
         positions = shape.seq_length * shape.hidden_size if shape.position_embedding == "learned" else 0
-        return shape.padded_vocab(tp) * shape.hidden_size // tp + positions
+        return shape.padded_vocab(split.tp) * shape.hidden_size // split.tp + positions
 
     # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `model.embed_tokens` --------------
     # `get` reads a tensor by name relative to the block, each side's names. Full (unsharded) tensors, vocab rows

@@ -1,6 +1,6 @@
-"""Named extra losses (a router's load-balancing loss, a z-loss, an activation penalty): a block attaches
-one to an activation in its forward; its gradient joins the LM loss's in backward, on whichever pipeline
-stage the block runs, and its value is recorded for the logs. No engine edit per new loss.
+"""Named extra losses (a router's load-balancing loss, a z-loss, an activation penalty) and other per-step
+statistics of the blocks (a MoE layer's tokens per expert): recorded during a step, reduced over every
+rank once per step by training/losses.py and logged next to the LM loss. No engine edit per new one.
 
     out = attach(out, penalty, name="act_penalty", coeff=1e-2)   # penalty: a scalar, mean over out's tokens
 
@@ -12,19 +12,51 @@ token-weighted mean, the same at every layout as in one process. Under TP withou
 the same (replicated) activations and computes the same L; under SP each rank has its own sequence shard
 and the shards' sums add up. A loss computed from a TP-sharded tensor (a hidden of ffn/tp) must be reduced
 over TP by its block first. Training runs bf16/fp32 without a loss scaler, so the backward scale is 1.
+(Megatron-Core's MoE router attaches its own losses with its own scale; models/moe.py only records them.)
 
-Recording happens in backward (once per micro-batch, also under full recomputation, which runs the forward
-twice; evaluation, forward only, records nothing): [sum n*L, sum n] per name, on the device. training/
-losses.py sums them over all ranks once per step and logs sum(n*L) / sum(n), under the loss's name.
-A block lists the names it attaches in its class attribute `extra_losses` (models/spec.py), so every rank
-knows every name, also ranks whose stages attach none.
+What is recorded: a float64 tensor per name, added to by `record` during the step (over micro-batches and
+layers) and summed over all ranks; a `Stat` says its size and how the sum becomes the logged number. An
+extra loss is Stat(2, token_mean) over [sum n*L, sum n]: `attach` records it in backward, once per
+micro-batch (also under full recomputation, which runs the forward twice; evaluation records nothing).
+Whoever records in forward must do so only when `torch.is_grad_enabled()` (the first pass of a recomputed
+layer runs without it), as Megatron-Core's router does. A block lists the names it records: the class
+attribute `extra_losses` (token means) and, for other statistics, `extra_stats(shape) -> {name: Stat}`
+(models/spec.py), so every rank knows every name, also ranks whose stages record none.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
-_RECORDED: dict[str, torch.Tensor] = {}  # name -> float64 [sum n*L, sum n] since the last take_recorded()
+_RECORDED: dict[str, torch.Tensor] = {}  # name -> float64 sum since the last take_recorded()
+
+
+def token_mean(total: torch.Tensor) -> float | None:
+    """[sum n*L, sum n] -> the token-weighted mean (None when nothing was recorded)."""
+    return (total[0] / total[1]).item() if total[1] > 0 else None
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A logged per-step statistic: `size` float64 entries, summed over the step and all ranks, then `report`."""
+
+    size: int
+    report: Callable[[torch.Tensor], float | None] = token_mean
+
+
+def record(name: str, value: torch.Tensor) -> None:
+    """Add `value` (its Stat's size, any dtype, on the model's device) to this step's sum for `name`."""
+    value = value.detach().to(torch.float64).reshape(-1)
+    _RECORDED[name] = _RECORDED[name] + value if name in _RECORDED else value
+
+
+def record_mean(name: str, loss: torch.Tensor, tokens: int) -> None:
+    """An extra loss's entry: `loss` (a scalar mean over `tokens` tokens) weighted by its token count."""
+    loss = loss.detach().to(torch.float64)
+    record(name, torch.stack([loss * tokens, torch.full_like(loss, float(tokens))]))
 
 
 class _Attach(torch.autograd.Function):
@@ -39,9 +71,7 @@ class _Attach(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (loss,) = ctx.saved_tensors
-        value = torch.stack([loss.double() * ctx.tokens, torch.tensor(float(ctx.tokens), dtype=torch.float64,
-                                                                      device=loss.device)])
-        _RECORDED[ctx.name] = _RECORDED[ctx.name] + value if ctx.name in _RECORDED else value
+        record_mean(ctx.name, loss, ctx.tokens)
         return grad, torch.full_like(loss, ctx.coeff * ctx.tokens), None, None, None
 
 
@@ -52,7 +82,7 @@ def attach(x: torch.Tensor, loss: torch.Tensor, name: str, coeff: float) -> torc
 
 
 def take_recorded() -> dict[str, torch.Tensor]:
-    """The [sum n*L, sum n] per name recorded since the last call, and a fresh start."""
+    """What was recorded since the last call, per name, and a fresh start."""
     recorded = dict(_RECORDED)
     _RECORDED.clear()
     return recorded

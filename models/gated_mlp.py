@@ -16,7 +16,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.shape import ModelShape
+from models.shape import ModelShape, Split
 
 
 class GatedMLP(MegatronModule):
@@ -41,10 +41,10 @@ class GatedMLP(MegatronModule):
 
     # What the engine's arithmetic reads (models/spec.py): the memory estimate and the FLOPs count.
     @staticmethod
-    def num_params(shape: ModelShape, tp: int) -> int:  # on one TP rank
+    def num_params(shape: ModelShape, split: Split) -> int:  # on one GPU
         h, ffn, bias = shape.hidden_size, shape.ffn_hidden_size, shape.add_bias_linear
-        split = 3 * h * ffn + (2 * ffn if bias else 0)  # gate, up, down weights; gate and up biases
-        return split // tp + (h if bias else 0)  # down's bias is replicated
+        sharded = 3 * h * ffn + (2 * ffn if bias else 0)  # gate, up, down weights; gate and up biases
+        return sharded // split.tp + (h if bias else 0)  # down's bias is replicated
 
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:  # three h x ffn GEMMs, 2 FLOPs per multiply-add

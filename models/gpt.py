@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.embedding import Embedding
 from models.layer import HF_NAMES
 from models.norm import Norm
-from models.shape import ModelShape
+from models.shape import ModelShape, Split
 from models.spec import layer_spec
 from models.stack import TransformerStack, stage_layer_numbers
 
@@ -94,17 +94,23 @@ class GPT(LanguageModule):
 
 # ---- sizes: the whole model's parameter count and FLOPs, summed from each block's own declaration ----------
 
-def num_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0, vpp: int | None = None) -> int:
+def num_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0, vpp: int | None = None, ep: int = 1,
+               etp: int = 1, experts_only: bool = False) -> int:
     """Parameters on one GPU of pipeline rank `stage` (all its virtual chunks): its layers' blocks; the first
     stage adds the embedding, the last the final norm and the output layer, which is its own weight unless
     tied within one stage (tied across stages, the last stage holds a copy with its own gradient and optimizer
-    state). num_params(shape) is the whole model, every weight once. A test compares with the built model."""
-    count = sum(block.num_params(shape, tp) for n in stage_layer_numbers(shape.num_layers, pp, vpp, stage)
-                for _, block in layer_spec(shape, n).items())
+    state). num_params(shape) is the whole model, every weight once. A test compares with the built model.
+    experts_only: the MoE experts' share (their gradients and optimizer state live in other DP groups)."""
+    split = Split(tp, ep, etp)
+    layers = [block for n in stage_layer_numbers(shape.num_layers, pp, vpp, stage)
+              for _, block in layer_spec(shape, n).items()]
+    if experts_only:
+        return sum(block.num_expert_params(shape, split) for block in layers if hasattr(block, "num_expert_params"))
+    count = sum(block.num_params(shape, split) for block in layers)
     if stage == 0:
-        count += Embedding.num_params(shape, tp)
+        count += Embedding.num_params(shape, split)
     if stage == pp - 1:
-        count += Norm.num_params(shape, tp)
+        count += Norm.num_params(shape, split)
         if not shape.tie_embeddings or pp > 1:
             count += shape.padded_vocab(tp) * shape.hidden_size // tp  # output_layer [V_padded/tp, h]
     return count
@@ -146,7 +152,8 @@ def _hf_walk(shape: ModelShape):
             if not hasattr(block, "from_hf"):
                 raise ValueError(f"block {block.__module__}.{block.__name__} ({name}) has no Hugging Face "
                                  f"mapping: give it from_hf / to_hf (see models/mlp.py)")
-            yield f"decoder.layers.{i}.{name}.", f"model.layers.{i}.{HF_NAMES[name]}.", block, False
+            hf_name = getattr(block, "hf_name", HF_NAMES[name])  # a MoE MLP is Mixtral's block_sparse_moe
+            yield f"decoder.layers.{i}.{name}.", f"model.layers.{i}.{hf_name}.", block, False
     yield "decoder.final_layernorm.", "model.norm.", Norm, False
     if not shape.tie_embeddings:
         yield "output_layer.", "lm_head.", _OutputLayerHF, True

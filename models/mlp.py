@@ -12,7 +12,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-from models.shape import ModelShape
+from models.shape import ModelShape, Split
 
 
 class MLP(MegatronModule):
@@ -55,11 +55,11 @@ class MLP(MegatronModule):
         return state
 
     @staticmethod
-    def num_params(shape: ModelShape, tp: int) -> int:
+    def num_params(shape: ModelShape, split: Split) -> int:
         h, ffn = shape.hidden_size, shape.ffn_hidden_size
         fc1 = 2 * ffn if shape.gated else ffn
-        split = h * fc1 + ffn * h + (fc1 if shape.add_bias_linear else 0)
-        return split // tp + (h if shape.add_bias_linear else 0)  # fc2's bias is replicated
+        sharded = h * fc1 + ffn * h + (fc1 if shape.add_bias_linear else 0)
+        return sharded // split.tp + (h if shape.add_bias_linear else 0)  # fc2's bias is replicated
 
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:  # SwiGLU: three h x ffn GEMMs (gate, up, down)

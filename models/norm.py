@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.shape import ModelShape
+from models.shape import ModelShape, Split
 
 
 class Norm(MegatronModule):
@@ -35,7 +35,7 @@ class Norm(MegatronModule):
         return F.rms_norm(x, shape, self.weight, self.eps)
 
     @staticmethod
-    def num_params(shape: ModelShape, tp: int) -> int:  # replicated on every TP rank
+    def num_params(shape: ModelShape, split: Split) -> int:  # replicated on every TP rank
         return shape.hidden_size * (2 if shape.normalization == "LayerNorm" else 1)
 
     @staticmethod

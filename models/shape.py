@@ -19,8 +19,18 @@ from dataclasses import asdict, dataclass, field, fields
 WEIGHTS, NUMERICS, RUN = "weights", "numerics", "run"
 
 
-def _tag(kind: str):
-    return field(metadata={"kind": kind})
+def _tag(kind: str, *config: str):
+    """A field of this kind, read from the ModelConfig fields `config` (default: its own name)."""
+    return field(metadata={"kind": kind, "config": config})
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one GPU's share of the weights is cut (what a block's num_params divides by)."""
+
+    tp: int = 1  # tensor parallel: attention heads, FFN width, vocabulary
+    ep: int = 1  # expert parallel: a MoE layer's experts
+    etp: int = 1  # expert tensor parallel: one expert's FFN width
 
 
 @dataclass(frozen=True)
@@ -51,9 +61,16 @@ class ModelShape:
     activation: str = _tag(WEIGHTS)  # gelu | swiglu
     add_bias_linear: bool = _tag(WEIGHTS)
     tie_embeddings: bool = _tag(WEIGHTS)
-    layers: tuple[LayerBlocks, ...] = _tag(WEIGHTS)  # layer i+1's blocks (Megatron numbers layers from 1)
+    # layer i+1's blocks (Megatron numbers layers from 1): a MoE layer's MLP is "moe"
+    layers: tuple[LayerBlocks, ...] = _tag(WEIGHTS, "attention", "mlp", "moe.layer_freq", "moe.first_dense")
+    num_experts: int | None = _tag(WEIGHTS, "moe.num_experts")  # None: a dense model
+    moe_ffn_hidden_size: int | None = _tag(WEIGHTS, "moe.ffn_hidden_size")  # one expert's; resolved: ffn
+    moe_shared_ffn_hidden_size: int | None = _tag(WEIGHTS, "moe.shared_expert_ffn_hidden_size")
     rotary_base: float = _tag(NUMERICS)
     norm_epsilon: float = _tag(NUMERICS)
+    moe_top_k: int = _tag(NUMERICS, "moe.top_k")
+    moe_score_function: str = _tag(NUMERICS, "moe.score_function")
+    moe_pre_softmax: bool = _tag(NUMERICS, "moe.pre_softmax")
     seq_length: int = _tag(RUN)  # also the learned-positions table size
     make_vocab_size_divisible_by: int = _tag(RUN)
 
@@ -61,20 +78,31 @@ class ModelShape:
     def of(cls, model, vocab_size: int | None = None) -> ModelShape:
         """From a training.config.ModelConfig (read by attribute); vocab_size overrides model.vocab_size."""
         heads, hidden = model.num_attention_heads, model.hidden_size
-        blocks = LayerBlocks(attention=str(model.attention), mlp=str(model.mlp))
+        moe = model.moe
+        ffn = model.ffn_hidden_size or 4 * hidden
+        layers = tuple(LayerBlocks(attention=str(model.attention),
+                                   mlp="moe" if _is_moe_layer(moe, number) else str(model.mlp))
+                       for number in range(1, model.num_layers + 1))
         return cls(
             num_layers=model.num_layers, hidden_size=hidden, num_attention_heads=heads,
             num_query_groups=model.num_query_groups or heads,
             kv_channels=model.kv_channels or hidden // heads,
-            ffn_hidden_size=model.ffn_hidden_size or 4 * hidden,
+            ffn_hidden_size=ffn,
             vocab_size=vocab_size if vocab_size is not None else model.vocab_size,
             position_embedding=str(model.position_embedding), normalization=str(model.normalization),
             activation=str(model.activation), add_bias_linear=bool(model.add_bias_linear),
-            tie_embeddings=bool(model.tie_embeddings), layers=(blocks,) * model.num_layers,
+            tie_embeddings=bool(model.tie_embeddings), layers=layers,
+            num_experts=moe.num_experts or None, moe_ffn_hidden_size=(moe.ffn_hidden_size or ffn) if moe.num_experts
+            else None, moe_shared_ffn_hidden_size=moe.shared_expert_ffn_hidden_size or None,
             rotary_base=float(model.rotary_base), norm_epsilon=float(model.norm_epsilon),
+            moe_top_k=moe.top_k, moe_score_function=str(moe.score_function), moe_pre_softmax=bool(moe.pre_softmax),
             seq_length=model.seq_length, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
     # ---- derived sizes ----------------------------------------------------------------------------------
+    @property
+    def moe_layer_numbers(self) -> tuple[int, ...]:
+        return tuple(n for n, blocks in enumerate(self.layers, 1) if blocks.mlp == "moe")
+
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
@@ -104,9 +132,11 @@ class ModelShape:
 
     @classmethod
     def config_fields(cls, *kinds: str) -> tuple[str, ...]:
-        """The ModelConfig fields behind the shape fields of these kinds (`layers` comes from attention, mlp)."""
-        names = []
-        for f in fields(cls):
-            if f.metadata["kind"] in kinds:
-                names += ["attention", "mlp"] if f.name == "layers" else [f.name]
-        return tuple(names)
+        """The ModelConfig fields (dotted below model.) behind the shape fields of these kinds."""
+        return tuple(name for f in fields(cls) if f.metadata["kind"] in kinds for name in f.metadata["config"] or
+                     (f.name,))
+
+
+def _is_moe_layer(moe, number: int) -> bool:
+    """Layer `number` (1-based) has a MoE MLP: after moe.first_dense dense layers, every moe.layer_freq-th."""
+    return bool(moe.num_experts) and number > moe.first_dense and (number - moe.first_dense - 1) % moe.layer_freq == 0

@@ -10,11 +10,13 @@ edit of the layer, the stack or the engine. A block is a Megatron-Core `Megatron
     Block(config: TransformerConfig, layer_number: int)   forward as the layer calls it (attention:
                                                            (x, rotary_freqs), the others: (x)); returns
                                                            (out, bias or None), norms return out
-    Block.num_params(shape, tp) -> int                     parameters on one TP rank (the memory estimate,
-                                                           checked against the built model for every preset)
+    Block.num_params(shape, split) -> int                  parameters on one GPU, split = Split(tp, ep, etp)
+                                                           (the memory estimate; checked against the built
+                                                           model for every preset and layout)
     Block.flops_per_token(shape) -> float                  forward FLOPs per token (2 per multiply-add)
     Block.extra_losses: tuple[str, ...] = ()               names of the extra losses it attaches
                                                            (models/extra_losses.py), logged like the loss
+    Block.extra_stats(shape) -> {name: Stat} (optional)    other statistics it records (tokens per expert)
     Block.from_hf / Block.to_hf (optional)                 its Hugging Face (Llama) weight mapping
 
 The sub-block names are Megatron-Core's (`input_layernorm`, `self_attention`, `pre_mlp_layernorm`, `mlp`),
@@ -27,6 +29,7 @@ import functools
 import importlib
 from dataclasses import dataclass, fields
 
+from models.extra_losses import Stat
 from models.shape import ModelShape
 
 # Built-in blocks by name; anything else is named as "package.module:Class".
@@ -34,6 +37,7 @@ BLOCKS = {
     "self_attention": "models.attention:SelfAttention",  # fused-QKV GQA, RoPE, SDPA
     "mlp": "models.mlp:MLP",  # GELU, or SwiGLU with one fused gate|up weight
     "gated_mlp": "models.gated_mlp:GatedMLP",  # the README's example: separate gate and up projections
+    "moe": "models.moe:MoE",  # mixture of experts (Megatron-Core's MoELayer): the layers model.moe picks
 }
 
 
@@ -93,10 +97,13 @@ def layer_spec(shape: ModelShape, layer_number: int) -> LayerSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def extra_loss_names(shape: ModelShape) -> tuple[str, ...]:
-    """Every extra loss any layer attaches, in a fixed order (the same on every rank)."""
-    names: dict[str, None] = {}
+def extra_stats(shape: ModelShape) -> dict[str, Stat]:
+    """Every extra loss and statistic any layer records (models/extra_losses.py), in a fixed order: the same
+    on every rank, whichever layers its pipeline stage holds."""
+    stats: dict[str, Stat] = {}
     for number in range(1, shape.num_layers + 1):
         for _, block in layer_spec(shape, number).items():
-            names.update(dict.fromkeys(getattr(block, "extra_losses", ())))
-    return tuple(names)
+            stats.update(dict.fromkeys(getattr(block, "extra_losses", ()), Stat(2)))
+            if hasattr(block, "extra_stats"):
+                stats.update(block.extra_stats(shape))
+    return stats

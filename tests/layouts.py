@@ -36,8 +36,13 @@ def make_batch(global_batch: int, seq: int, seed: int = 0) -> list[dict]:
     return [{"tokens": text[i, :-1], "labels": text[i, 1:], "loss_mask": mask[i]} for i in range(global_batch)]
 
 
-def global_name(gpt, local_name: str) -> str:
-    """decoder.layers.<local>.x -> decoder.layers.<global>.x (PP stages hold different layers)."""
+def global_name(gpt, local_name: str, expert_offset: int = 0) -> str:
+    """decoder.layers.<local>.x -> decoder.layers.<global>.x (PP stages hold different layers), and
+    ...local_experts.<local>.x -> ...local_experts.<global>.x (EP ranks hold different experts)."""
+    if ".local_experts." in local_name:
+        head, rest = local_name.split(".local_experts.", 1)
+        index, rest = rest.split(".", 1)
+        local_name = f"{head}.local_experts.{int(index) + expert_offset}.{rest}"
     if local_name.startswith("decoder.layers."):
         local = int(local_name.split(".")[2])
         rest = local_name.split(".", 3)[3]
@@ -91,7 +96,7 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
 
     from models.gpt import num_params
     from models.shape import ModelShape
-    from models.spec import extra_loss_names
+    from models.spec import extra_stats
     from training import dist as D
     from training.build import build, unwrap
     from training.compose import compose
@@ -103,16 +108,26 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
     cfg = compose(overrides)
     derived = validate(cfg)
     p = cfg.parallel
-    info = D.init(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, timeout_minutes=2)
+    info = D.init(**{**D.layout_of(cfg), "timeout_minutes": 2})
     try:
         state = build(cfg, ModelShape.of(cfg.model, VOCAB), info.device)
-        tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), p.tp
+        experts = state.shape.num_experts or 1
+        offset = ps.get_expert_model_parallel_rank() * (experts // p.ep)  # this rank's first expert
+
+        def tp_of(param) -> tuple[int, int]:  # expert weights are split over the expert-TP group
+            if getattr(param, "allreduce", True):
+                return ps.get_tensor_model_parallel_rank(), p.tp
+            return ps.get_expert_tensor_parallel_rank(), p.etp
+
+        def name_of(gpt, name):
+            return global_name(gpt, name, offset)
+
         if weights is not None:
             with torch.no_grad():
                 for chunk in state.model:
                     gpt = unwrap(chunk)
                     for name, param in gpt.named_parameters():
-                        param.copy_(shard(weights[global_name(gpt, name)], param, tp_rank, tp_size))
+                        param.copy_(shard(weights[name_of(gpt, name)], param, *tp_of(param)))
             state.optimizer.reload_model_params()  # fp32 main params (bf16, dist optimizer) follow the load
         # Init drew a layout-dependent amount of random numbers (padded vocab): restart the streams so
         # dropout masks do not depend on it.
@@ -123,36 +138,43 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
 
         def tagged(param, tensor):
             parallel = getattr(param, "tensor_model_parallel", False)
-            return (tp_rank, tp_size, param.partition_dim if parallel else None,
+            return (*tp_of(param), param.partition_dim if parallel else None,
                     param.partition_stride if parallel else 1, tensor.detach().float().clone())
 
-        losses, extras, grads, params = [], [], {}, {}
+        losses, extras, grads, params, before = [], [], {}, {}, {}
+        if steps > 1:  # the initial weights too (the next layouts load them)
+            for chunk in state.model:
+                gpt = unwrap(chunk)
+                for name, param in gpt.named_parameters():
+                    before.setdefault(name_of(gpt, name), []).append(tagged(param, param))
         for _ in range(steps - 1):
             result = train_step(state, iterators(), derived, cfg, info.device)
             losses.append(result.loss)
             extras.append(result.extra)
-        for chunk in state.model:  # the last step: keep the gradients, do not update
+        for chunk in state.model:  # the last step: keep the gradients, do not update (zeroed as train_step does)
             chunk.zero_grad_buffer()
+        state.optimizer.zero_grad()
         losses.append(global_loss(run_schedule(state, iterators(), derived, cfg, forward_only=False),
                                   info.device).item())
-        extras.append(extra_losses(extra_loss_names(state.shape), info.device))
+        extras.append(extra_losses(extra_stats(state.shape), info.device))
         for chunk in state.model:
             gpt = unwrap(chunk)
             for name, param in gpt.named_parameters():
                 # The distributed optimizer reduce-scatters: each DP rank holds only its shard of the grads.
                 if not cfg.parallel.dist_opt:
-                    grads.setdefault(global_name(gpt, name), []).append(tagged(param, param.main_grad))
-                params.setdefault(global_name(gpt, name), []).append(tagged(param, param))
+                    grads.setdefault(name_of(gpt, name), []).append(tagged(param, param.main_grad))
+                params.setdefault(name_of(gpt, name), []).append(tagged(param, param))
         # this rank's parameters, built vs the memory estimate's count (models/gpt.py num_params)
         built = sum(param.numel() for chunk in state.model for param in unwrap(chunk).parameters())
-        estimated = num_params(state.shape, p.tp, p.pp, ps.get_pipeline_model_parallel_rank(), p.vpp)
-        out = {"losses": losses, "extra": extras, "grads": grads, "params": params, "counts": (built, estimated)}
+        estimated = num_params(state.shape, p.tp, p.pp, ps.get_pipeline_model_parallel_rank(), p.vpp, p.ep, p.etp)
+        out = {"losses": losses, "extra": extras, "grads": grads, "params": params, "before": before,
+               "counts": (built, estimated)}
         if want_logits and p.pp == 1:
             gpt = unwrap(state.model[0])
             gpt.eval()
             with torch.no_grad():
                 logits = gpt(torch.stack([s["tokens"] for s in batch]))  # [b, s, V_padded/tp]
-            out["logits"] = (tp_rank, tp_size, 2, 1, logits.float())
+            out["logits"] = (ps.get_tensor_model_parallel_rank(), p.tp, 2, 1, logits.float())
         return out
     finally:
         D.reset_model_parallel()
@@ -182,11 +204,11 @@ def _gather(per_rank: list[dict]) -> dict:
         raise AssertionError("layout failed:\n" + "\n".join(errors))
     grads: dict[str, list] = {}
     params: dict[str, list] = {}
+    before: dict[str, list] = {}
     for r in per_rank:
-        for name, parts in r["grads"].items():
-            grads.setdefault(name, []).extend(parts)
-        for name, parts in r["params"].items():
-            params.setdefault(name, []).extend(parts)
+        for gathered, key in ((grads, "grads"), (params, "params"), (before, "before")):
+            for name, parts in r[key].items():
+                gathered.setdefault(name, []).extend(parts)
     losses = [r["losses"] for r in per_rank]
     for other in losses[1:]:
         assert other == losses[0], f"ranks disagree on the loss: {losses}"
@@ -195,7 +217,8 @@ def _gather(per_rank: list[dict]) -> dict:
     rows = lambda name: VOCAB if "word_embeddings" in name or "output_layer" in name else None  # noqa: E731
     out = {"losses": losses[0], "extra": extras[0], "counts": [r["counts"] for r in per_rank],
            "grads": {n: assemble(parts, rows(n)) for n, parts in grads.items()},
-           "params": {n: assemble(parts, rows(n)) for n, parts in params.items()}}
+           "params": {n: assemble(parts, rows(n)) for n, parts in params.items()},
+           "params_before": {n: assemble(parts, rows(n)) for n, parts in before.items()}}
     logits = {r["logits"][0]: r["logits"][4] for r in per_rank if "logits" in r}  # by TP rank
     if logits:  # vocab-parallel shards side by side, padding dropped
         out["logits"] = torch.cat([logits[r] for r in sorted(logits)], dim=-1)[..., :VOCAB]

@@ -21,7 +21,7 @@ def _built_counts(builds: dict) -> dict:
     """For each build: (the whole model's parameters, {block: (its parameters in layer 1, declared)}),
     built on the meta device (no memory, no init) in a world of one."""
     from models.gpt import num_params
-    from models.shape import ModelShape
+    from models.shape import ModelShape, Split
     from models.spec import layer_spec
     from training import dist as D
     from training.build import build, unwrap
@@ -34,7 +34,7 @@ def _built_counts(builds: dict) -> dict:
             with torch.device("meta"):
                 gpt = unwrap(build(cfg, shape, torch.device("meta"), init=False, train=False).model[0])
             layer = gpt.decoder.layers[0]
-            blocks = {key: (sum(p.numel() for p in getattr(layer, key).parameters()), block.num_params(shape, 1))
+            blocks = {key: (sum(p.numel() for p in getattr(layer, key).parameters()), block.num_params(shape, Split()))
                       for key, block in layer_spec(shape, 1).items()}
             out[name] = (sum(p.numel() for p in gpt.parameters()), num_params(shape), blocks)
     return out
@@ -51,14 +51,15 @@ def test_every_preset_has_exactly_the_parameters_the_estimate_counts():
             assert block_built == declared, (name, key, block_built, declared)
     assert results["llama2_7b"][0] == 6_738_415_616  # Llama 2 7B's published count (vocab 32000: no padding)
     assert results["gpt2_124m"][0] == 124_475_904  # GPT-2 small, vocabulary padded to 50304
+    assert results["mixtral_8x7b"][0] == 46_702_792_704  # Mixtral-8x7B's published count
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize("preset", PRESETS)
 def test_flops_per_token_is_megatrons_formula(preset):
-    """models/gpt.py flops_per_token equals Megatron-LM's `num_floating_point_operations` closed form
-    (training/training.py: per sample 12 s L h^2 ((1 + g/n + s/(2h)) (n hn / h) + ffn/h * gated + V/(2Lh))),
-    written out here independently, at the padded vocabulary."""
+    """models/gpt.py flops_per_token equals Megatron-LM's `num_floating_point_operations` (training/training.py,
+    transformer_flops: dense and MoE MLPs, GQA attention with the causal half, the logits over the padded
+    vocabulary; 3 x forward), written out here independently."""
     from models.gpt import flops_per_token
     from models.shape import ModelShape
 
@@ -67,10 +68,18 @@ def test_flops_per_token_is_megatrons_formula(preset):
     h, s, L, V = m.hidden_size, m.seq_length, m.num_layers, shape.padded_vocab(1)
     heads = m.num_attention_heads
     groups, head_dim, ffn = m.num_query_groups or heads, m.kv_channels or h // heads, m.ffn_hidden_size or 4 * h
-    gated = 1.5 if m.activation == "swiglu" else 1.0
-    megatron = 12 * s * L * h * h * ((1 + groups / heads + s / h / 2) * (heads * head_dim / h)
-                                     + ffn / h * gated + V / (2 * L * h))
-    assert flops_per_token(shape) * s == pytest.approx(megatron, rel=1e-12)
+    ffn_gemms = 3 if m.activation == "swiglu" else 2
+    moe = m.moe
+    moe_layers = 0 if not moe.num_experts else \
+        sum(1 for i in range(L) if i >= moe.first_dense and (i - moe.first_dense) % moe.layer_freq == 0)
+    routed = (moe.ffn_hidden_size or ffn) * moe.top_k + (moe.shared_expert_ffn_hidden_size or 0)
+    q, kv = head_dim * heads, head_dim * groups
+    megatron = 3 * 2 * (h * (ffn * ffn_gemms * (L - moe_layers) + routed * ffn_gemms * moe_layers)
+                        + L * (h * (q + 2 * kv) + q * s / 2 * 2 + q * h) + h * V)
+    assert flops_per_token(shape) == pytest.approx(megatron, rel=1e-12)
+    if preset == "llama3_8b":  # and the closed form of older Megatron-LMs, for a dense model
+        older = 12 * s * L * h * h * ((1 + groups / heads + s / h / 2) * (q / h) + ffn / h * 1.5 + V / (2 * L * h))
+        assert flops_per_token(shape) * s == pytest.approx(older, rel=1e-12)
 
 
 def test_shape_resolves_every_default_once():
@@ -89,6 +98,7 @@ def _objective_vs_engine(overrides: list[str]) -> dict:
     """One process: the engine's gradient (Megatron-Core's schedule + finalize_model_grads) with
     PenalizedMLP's extra loss attached, and autograd's gradient of the objective written out by hand."""
     import blocks
+    from models.extra_losses import Stat
     from models.shape import ModelShape
     from training import dist as D
     from training.build import build, unwrap
@@ -106,7 +116,8 @@ def _objective_vs_engine(overrides: list[str]) -> dict:
         gpt = unwrap(state.model[0])
         run_schedule(state, micro_batch_streams(1, batch, 0, cfg.train.micro_batch_size), derived, cfg, False)
         engine = {n: p.main_grad.clone() for n, p in gpt.named_parameters()}
-        reported = extra_losses((blocks.PENALTY,), info.device)[blocks.PENALTY]
+        stats = {blocks.PENALTY: Stat(2)}
+        reported = extra_losses(stats, info.device)[blocks.PENALTY]
 
         # By hand: sum over micro-batches of (masked token-loss sum + coeff * n * sum over layers of L) / N,
         # N = the loss-token count of the global batch, n = the tokens of a micro-batch, L = mean(out^2).
@@ -130,7 +141,7 @@ def _objective_vs_engine(overrides: list[str]) -> dict:
         blocks.PenalizedMLP.coeff = coeff
         for hook in hooks:
             hook.remove()
-        extra_losses((blocks.PENALTY,), info.device)  # drop what the by-hand pass recorded
+        extra_losses(stats, info.device)  # drop what the by-hand pass recorded
         return {"engine": engine, "by_hand": by_hand, "reported": reported,
                 "expected_report": sum(penalties) / len(penalties)}
 

@@ -89,7 +89,7 @@ def measure(args) -> dict:
     cfg = compose(args.overrides)
     derived = validate(cfg)
     p, m = cfg.parallel, cfg.model
-    with D.distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, timeout_minutes=p.timeout_minutes) as info:
+    with D.distributed(**D.layout_of(cfg)) as info:
         device = info.device
         shape = ModelShape.of(m, m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size)
         if args.compare_mcore:  # equal work: no padded (masked) vocabulary rows in either model

@@ -32,6 +32,7 @@ Ties go to the smaller memory total, so sp and dist_opt win when they are free.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -95,20 +96,20 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
             per_stage = m.num_layers // pp if m.num_layers % pp == 0 else 0
-            for vpp in [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []):
-                for sp in ([False, True] if tp > 1 else [False]):
-                    for dist_opt in ([False, True] if dp > 1 else [False]):  # dp=1: nothing to shard
-                        for recompute in Recompute:
-                            parallel = dataclasses.replace(
-                                p, tp=tp, pp=pp, vpp=vpp, sp=sp, dist_opt=dist_opt,
-                                overlap_param_gather=p.overlap_param_gather and dist_opt)
-                            option = dataclasses.replace(cfg, parallel=parallel,
-                                                         model=dataclasses.replace(m, recompute=recompute))
-                            found = problems(option, world)
-                            if found:
-                                found_first = found_first or found
-                            else:
-                                valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, str(recompute)), option))
+            # MoE: experts over EP ranks of the data-parallel ranks (expert TP stays 1: experts are small)
+            eps = [e for e in divisors(tp * dp) if m.moe.num_experts % e == 0] if m.moe.num_experts else [1]
+            for vpp, sp, dist_opt, recompute, ep in itertools.product(
+                    [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []),
+                    [False, True] if tp > 1 else [False], [False, True] if dp > 1 else [False],  # dp 1: no shards
+                    Recompute, eps):
+                parallel = dataclasses.replace(p, tp=tp, pp=pp, vpp=vpp, sp=sp, dist_opt=dist_opt, ep=ep, etp=1,
+                                               overlap_param_gather=p.overlap_param_gather and dist_opt)
+                option = dataclasses.replace(cfg, parallel=parallel, model=dataclasses.replace(m, recompute=recompute))
+                found = problems(option, world)
+                if found:
+                    found_first = found_first or found
+                else:
+                    valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, str(recompute), ep, 1), option))
     return valid, found_first
 
 
@@ -141,34 +142,45 @@ def assess(option, shape, lay, settings: dict) -> dict:
     pp_comm = (pp_bytes / (settings["link_gbps"] * GB) + messages * P2P_MESSAGE_S) / compute_s
     dp_gbps = settings["link_gbps"] if settings["nodes"] == 1 else settings["internode_gbps"]
     dp_comm = DP_EXPOSED * dp_bytes / (dp_gbps * GB) / compute_s
+    # EP: each MoE layer's dispatch and combine all-to-alls, forward and backward, carry k copies of this
+    # rank's tokens, (ep-1)/ep of them to other ranks; on the critical path like TP's
+    moe_layers = len(shape.moe_layer_numbers) / lay.pp
+    tokens = shape.seq_length * t.micro_batch_size / (lay.tp if lay.sp else 1)
+    ep_bytes = moe_layers * micro * 4 * (shape.moe_top_k or 0) * tokens * shape.hidden_size * e * (lay.ep - 1) / lay.ep
+    ep_gbps = settings["link_gbps"] if lay.ep * lay.tp <= settings["gpus_per_node"] else settings["internode_gbps"]
+    ep_comm = ep_bytes / (ep_gbps * GB) / compute_s
     bubble = (lay.pp - 1) / ((lay.vpp or 1) * micro)
     budget = settings["gpu_mem_gb"] * t.max_memory_fraction
-    return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, sp=lay.sp, dist_opt=lay.dist_opt,
-                recompute=lay.recompute, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
+    return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, ep=lay.ep, etp=lay.etp, sp=lay.sp,
+                dist_opt=lay.dist_opt, recompute=lay.recompute, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
                 stage=est.stage, params_per_gpu=est.params_per_gpu, micro_batches=micro,
                 bubble=round(bubble, 4), comm_gb={"tp": round(tp_bytes / GB, 3), "dp": round(dp_bytes / GB, 3),
-                                                  "pp": round(pp_bytes / GB, 3)},
-                score=round((1 + bubble) * (1 + recompute + tp_comm) + pp_comm + dp_comm, 4))
+                                                  "pp": round(pp_bytes / GB, 3), "ep": round(ep_bytes / GB, 3)},
+                score=round((1 + bubble) * (1 + recompute + tp_comm + ep_comm) + pp_comm + dp_comm, 4))
 
 
 def layout_overrides(row: dict) -> str:
     vpp = "null" if row["vpp"] is None else row["vpp"]
-    return (f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vpp={vpp} "
+    experts = f" parallel.ep={row['ep']}" if row["ep"] > 1 else ""
+    return (f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vpp={vpp}{experts} "
             f"parallel.sp={str(row['sp']).lower()} parallel.dist_opt={str(row['dist_opt']).lower()} "
             f"model.recompute={row['recompute']}")
 
 
 def table(rows: list[dict], top: int) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>4} {'sp':>3} {'dopt':>4} {'recomp':>9} | "
-            f"{'w+opt':>7} {'act':>7} {'total':>7} {'fits':>4} | {'bubble':>6} {'TP GB':>7} {'DP GB':>7} | score")
+    moe = any(r["ep"] > 1 for r in rows)  # the EP columns only for a mixture of experts
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>4}{'   ep' if moe else ''} {'sp':>3} {'dopt':>4} "
+            f"{'recomp':>9} | {'w+opt':>7} {'act':>7} {'total':>7} {'fits':>4} | {'bubble':>6} {'TP GB':>7} "
+            f"{'DP GB':>7}{'   EP GB' if moe else ''} | score")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows[:top], 1):
         g = r["mem_gb"]
-        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['vpp'] or '-':>3} {r['dp']:>4} "
+        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['vpp'] or '-':>3} {r['dp']:>4}"
+                     f"{f' {r['ep']:>4}' if moe else ''} "
                      f"{'on' if r['sp'] else '-':>3} {'on' if r['dist_opt'] else '-':>4} {r['recompute']:>9} | "
                      f"{g['weights_and_optimizer']:>7.1f} {g['activations']:>7.1f} {g['total']:>7.1f} "
                      f"{'yes' if r['fits'] else 'no':>4} | {r['bubble']:>6.3f} {r['comm_gb']['tp']:>7.1f} "
-                     f"{r['comm_gb']['dp']:>7.1f} | {r['score']:.3f}")
+                     f"{r['comm_gb']['dp']:>7.1f}{f' {r['comm_gb']['ep']:>7.1f}' if moe else ''} | {r['score']:.3f}")
     return "\n".join(lines)
 
 

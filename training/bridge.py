@@ -47,6 +47,8 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         # parallelism
         tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sp,
+        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp,
+        **moe_settings(cfg, shape),
         **upstream_fixes.pipeline_p2p_settings(p.pp, p.vpp),
         # CPU: build each full weight once and slice it (TP init then equals one process's); on GPU,
         # Megatron's per-rank init on the device is much faster for large models.
@@ -70,6 +72,29 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         # fusion: our dropout is 0 for pretraining); TE's versions come with the TE path
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
+    )
+
+
+def moe_settings(cfg: Config, shape: ModelShape) -> dict:
+    """Megatron-Core's MoE fields (none for a dense model): models/moe.py builds its MoELayer from them."""
+    if not shape.num_experts:
+        return {}
+    moe = cfg.model.moe
+    return dict(
+        num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_top_k,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=shape.moe_shared_ffn_hidden_size,
+        # Switch Transformer's load-balancing loss over each micro-batch's tokens (Megatron-LM's default)
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_router_score_function=shape.moe_score_function, moe_router_pre_softmax=shape.moe_pre_softmax,
+        moe_token_dispatcher_type=str(moe.dispatcher),
+        # no token dropping unless asked: every token reaches its experts, as in one process
+        moe_expert_capacity_factor=moe.capacity_factor, moe_token_drop_policy="probs",
+        moe_pad_expert_input_to_capacity=False,
+        moe_grouped_gemm=moe.grouped_gemm,
+        # the router in fp32 (its softmax and top-k decide which expert a token goes to, also under bf16)
+        moe_router_dtype="fp32",
     )
 
 

@@ -18,9 +18,8 @@ import os
 import random
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -30,7 +29,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from models.shape import WEIGHTS, ModelShape
 from training.build import TrainState, unwrap
-from training.config import Config, ModelConfig
+from training.config import Config, ModelConfig, to_config
 from training.dist import print0
 from training.errors import TemplateError
 from training.shims import upstream_fixes
@@ -230,13 +229,19 @@ def resolve_path(spec: str | Path) -> Path:
 def check_compatible(run: dict, shape: ModelShape) -> None:
     """Refuse, naming every differing field, a checkpoint whose weights' shapes differ from the config's
     (the shape fields tagged "weights", resolved: ffn_hidden_size=null and 4h are the same)."""
-    saved_model = SimpleNamespace(**{**asdict(ModelConfig()), **run["config"]["model"]})  # fields added since: defaults
-    saved = ModelShape.of(saved_model, run["vocab_size"]).fields_of(WEIGHTS)
+    saved = ModelShape.of(saved_model_config(run), run["vocab_size"]).fields_of(WEIGHTS)
     current = shape.fields_of(WEIGHTS)
     differ = [f"{k}: checkpoint {_brief(saved[k])} vs config {_brief(current[k])}"
               for k in current if saved[k] != current[k]]
     if differ:
         raise CheckpointError("the model in the config does not match the checkpoint's: " + "; ".join(differ))
+
+
+def saved_model_config(run: dict) -> ModelConfig:
+    """A checkpoint's model config (run.json) on today's schema: fields added since take their defaults;
+    fused_kernels, a run setting that was a string (auto/on/off) before it became a bool, is left out."""
+    model = {k: v for k, v in run["config"]["model"].items() if k != "fused_kernels"}
+    return to_config({"model": model}).model
 
 
 def _brief(value):

@@ -33,6 +33,16 @@ class Recompute(StrEnum):
     full = "full"  # every layer from its input
 
 
+class ScoreFunction(StrEnum):
+    softmax = "softmax"  # Mixtral, Qwen-MoE
+    sigmoid = "sigmoid"  # DeepSeek-V3
+
+
+class Dispatcher(StrEnum):
+    alltoall = "alltoall"  # tokens travel to their experts' ranks: the expert-parallel default
+    allgather = "allgather"  # every rank gathers all tokens and keeps its experts' (small EP, or EP=1)
+
+
 class DecayStyle(StrEnum):
     cosine = "cosine"
     linear = "linear"
@@ -47,6 +57,23 @@ class Precision(StrEnum):
 class NanPolicy(StrEnum):
     stop = "stop"
     skip = "skip"
+
+
+@dataclass
+class MoEConfig:
+    num_experts: Optional[int] = None  # experts in each MoE layer; null = a dense model
+    top_k: int = 2  # experts each token goes to (Mixtral: 2 of 8)
+    ffn_hidden_size: Optional[int] = None  # one expert's FFN width; null = model.ffn_hidden_size (Mixtral)
+    shared_expert_ffn_hidden_size: Optional[int] = None  # an always-on shared expert (Qwen-MoE); null = none
+    layer_freq: int = 1  # after first_dense, every k-th layer is MoE, from the first (1: all of them)
+    first_dense: int = 0  # the first n layers keep a dense MLP (DeepSeek: 1 to 3)
+    aux_loss_coeff: float = 1e-2  # load-balancing loss weight (Switch Transformer's 1e-2); 0 = off
+    z_loss_coeff: Optional[float] = None  # router z-loss weight (ST-MoE: 1e-3); null = off
+    score_function: ScoreFunction = ScoreFunction.softmax  # router scores
+    pre_softmax: bool = False  # softmax over all experts before top-k (Qwen); false: over the k (Mixtral)
+    dispatcher: Dispatcher = Dispatcher.alltoall  # how tokens reach the experts (Megatron-LM's EP default)
+    capacity_factor: Optional[float] = None  # drop tokens beyond this x an expert's mean load; null = none
+    grouped_gemm: bool = False  # Transformer Engine's grouped GEMM experts (TEGroupedMLP); needs TE
 
 
 @dataclass
@@ -69,6 +96,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # output layer reuses the embedding (also across pipeline stages)
     attention: str = "self_attention"  # the layers' attention block: a name in models/spec.py's BLOCKS or module:Class
     mlp: str = "mlp"  # the layers' MLP block: a name in models/spec.py's BLOCKS or module:Class
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts: model.moe.num_experts > 0 turns it on
     hidden_dropout: float = 0.0  # dropout after attention/MLP and on embeddings; 0 for pretraining
     attention_dropout: float = 0.0  # dropout on attention probabilities
     init_method_std: float = 0.02  # normal init std (output projections scaled by 1/sqrt(2L), Megatron)
@@ -83,6 +111,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel size: splits layers into stages
     vpp: Optional[int] = None  # virtual stages per pipeline rank (interleaved 1F1B); null = plain 1F1B
     sp: bool = False  # sequence parallel: shard norms/dropout activations along the sequence (needs tp>1)
+    ep: int = 1  # expert parallel size: MoE experts split over ranks of the data-parallel group (all-to-all)
+    etp: int = 1  # expert tensor parallel size: each expert's FFN split over this many ranks
     dist_opt: bool = False  # distributed optimizer: shard fp32 main params + Adam state across DP ranks
     overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward (bucketed)
     overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather with forward
@@ -172,6 +202,6 @@ def to_config(cfg: Any) -> Config:
     return OmegaConf.to_object(merged)
 
 
-__all__ = ["Activation", "DecayStyle", "NanPolicy", "Normalization", "PositionEmbedding", "Precision",
+__all__ = ["Activation", "DecayStyle", "Dispatcher", "MoEConfig", "NanPolicy", "ScoreFunction", "Normalization", "PositionEmbedding", "Precision",
            "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "register", "to_config"]

@@ -90,7 +90,7 @@ def set_seeds(seed: int) -> None:
 
 
 def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
-         timeout_minutes: float = 10.0) -> DistInfo:
+         timeout_minutes: float = 10.0, ep: int = 1, etp: int = 1) -> DistInfo:
     """Start torch.distributed from torchrun's environment and Megatron-Core's model-parallel groups."""
     quiet_known_noise()
     rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
@@ -108,6 +108,7 @@ def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=max(1, int(timeout_minutes)),
     )
     set_seeds(seed)
@@ -133,6 +134,13 @@ def reset_model_parallel() -> None:
 
     dist.barrier()
     parallel_state.destroy_model_parallel()
+
+
+def layout_of(cfg) -> dict:
+    """init's arguments for a config: the layout, the seed and the collective timeout."""
+    p = cfg.parallel
+    return dict(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, seed=cfg.train.seed,
+                timeout_minutes=p.timeout_minutes)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from models.gpt import flops_per_token
 from models.shape import ModelShape
-from models.spec import extra_loss_names
+from models.spec import extra_stats
 from training import checkpoint, dist as D
 from training.build import build
 from training.config import Config
@@ -42,12 +42,11 @@ def train_dataset_size(cfg: Config, start: checkpoint.Start) -> int:
 
 def run(cfg: Config, derived: Derived, run_dir: str | Path) -> dict:
     p = cfg.parallel
-    with D.distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed,
-                       timeout_minutes=p.timeout_minutes) as info:
+    with D.distributed(**D.layout_of(cfg)) as info:
         stopper = Stopper(cfg)  # signal handlers first: a SIGTERM during setup still stops cleanly
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         shape = ModelShape.of(cfg.model, resolve_vocab_size(cfg, tokenizer))
-        if clash := set(extra_loss_names(shape)) & RESERVED_KEYS:
+        if clash := set(extra_stats(shape)) & RESERVED_KEYS:
             raise ConfigError(f"extra losses {sorted(clash)} (the blocks' `extra_losses`) are metrics keys: "
                               f"rename them")
         preflight(cfg, derived, shape, info.device, run_dir)  # memory estimate; stops if it cannot fit

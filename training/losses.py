@@ -2,7 +2,7 @@
 
     loss_func        per micro-batch on the last stage: the masked token sum and count ("lm loss")
     global_loss      the global-batch token mean of the LM loss, identical on every rank
-    extra_losses     every named extra loss (models/extra_losses.py) as its token-weighted global mean
+    extra_losses     every named extra loss and statistic of the blocks (models/extra_losses.py), reduced
 
 The schedule divides the returned loss by nothing (calculate_per_token_loss); finalize_model_grads
 divides every gradient by the global batch's loss-token count, so the gradient is that of the token mean.
@@ -39,23 +39,26 @@ def global_loss(reports: list[dict], device: torch.device) -> torch.Tensor:
     return total[0] / total[1].clamp(min=1)
 
 
-def extra_losses(names: tuple[str, ...], device: torch.device) -> dict[str, float]:
-    """{name: token-weighted mean over the global batch and the attaching layers} of what the blocks recorded
-    since the last call (models/extra_losses.py); one all-reduce over every rank, none without names.
+def extra_losses(stats: dict[str, extra.Stat], device: torch.device) -> dict[str, float | None]:
+    """{name: its Stat's report of the sum over this step and every rank} of what the blocks recorded since
+    the last call (models/extra_losses.py; `stats`: models.spec.extra_stats); one all-reduce over every
+    rank, none without stats. For an extra loss, the token-weighted mean over the global batch and the
+    attaching layers.
 
-    Summing [sum n*L, sum n] over all ranks is exact at every layout: DP ranks and PP stages hold other
-    tokens or layers; under SP the TP ranks hold other tokens; without SP they repeat the same numbers,
-    which scales the sum and the count alike."""
+    Summing over all ranks is exact at every layout: DP ranks and PP stages hold other tokens or layers;
+    under SP the TP ranks hold other tokens; without SP they repeat the same numbers, which scales a sum
+    and its count (or every count of a histogram) alike."""
     recorded = extra.take_recorded()
-    if unknown := set(recorded) - set(names):
-        raise RuntimeError(f"extra losses {sorted(unknown)} are attached but no block lists them in its "
-                           f"`extra_losses` (models/spec.py)")
-    if not names:
+    if unknown := set(recorded) - set(stats):
+        raise RuntimeError(f"{sorted(unknown)} are recorded but no block lists them in its `extra_losses` or "
+                           f"`extra_stats` (models/spec.py)")
+    if not stats:
         return {}
-    totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
-    for i, name in enumerate(names):
-        if name in recorded:
-            totals[i] = recorded[name].to(device)
-    dist.all_reduce(totals)
-    return {name: (totals[i, 0] / totals[i, 1]).item() if totals[i, 1] > 0 else None
-            for i, name in enumerate(names)}
+    offsets, total = {}, 0
+    for name, stat in stats.items():
+        offsets[name], total = total, total + stat.size
+    flat = torch.zeros(total, dtype=torch.float64, device=device)
+    for name, value in recorded.items():
+        flat[offsets[name]:offsets[name] + stats[name].size] = value.to(device)
+    dist.all_reduce(flat)
+    return {name: stat.report(flat[offsets[name]:offsets[name] + stat.size]) for name, stat in stats.items()}

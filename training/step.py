@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from models.spec import extra_loss_names
+from models.spec import extra_stats
 from training import dist as D
 from training.build import TrainState, unwrap
 from training.config import Config, NanPolicy
@@ -66,7 +66,7 @@ def train_step(state: TrainState, streams, derived: Derived, cfg: Config, device
     state.optimizer.zero_grad()
     reports = run_schedule(state, streams, derived, cfg, forward_only=False, step=step)
     loss = global_loss(reports, device).item()
-    extra = extra_losses(extra_loss_names(state.shape), device)
+    extra = extra_losses(extra_stats(state.shape), device)
     if not math.isfinite(loss):
         if cfg.train.nan_policy == NanPolicy.stop:
             raise NonFiniteLoss(f"loss is {loss} at this step: stopping (train.nan_policy=stop); the last "

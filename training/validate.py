@@ -9,6 +9,7 @@ are Enums in the schema, refused while composing; the model's sizes are read fro
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -26,8 +27,10 @@ class Derived:
     tokens_per_step: int
 
     def describe(self, cfg: Config) -> str:
-        t = cfg.train
-        return (f"world {self.world_size} = tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {self.dp}; "
+        t, p = cfg.train, cfg.parallel
+        experts = "" if p.ep * p.etp == 1 else \
+            f" (experts: ep {p.ep} x etp {p.etp} x edp {self.world_size // (p.pp * p.ep * p.etp)} per stage)"
+        return (f"world {self.world_size} = tp {p.tp} x pp {p.pp} x dp {self.dp}{experts}; "
                 f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {self.dp} x "
                 f"accumulation {self.num_microbatches}; {self.tokens_per_step} tokens/step")
 
@@ -75,6 +78,8 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     for key in ("attention", "mlp"):
         problem = block_problem(getattr(m, key))
         need(problem is None, f"model.{key}={getattr(m, key)}: {problem}")
+    need(m.mlp != "moe", "model.mlp=moe: MoE layers come from model.moe.num_experts (and model.moe.first_dense, "
+                         "layer_freq); model.mlp names the dense layers' MLP")
     chunks = pp * (p.vpp or 1)
     need(m.num_layers % chunks == 0,
          f"model.num_layers={m.num_layers} is not divisible by parallel.pp * vpp = {pp} * {p.vpp or 1} = "
@@ -96,6 +101,7 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     need(m.make_vocab_size_divisible_by >= 1,
          f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
 
+    out += moe_problems(cfg, shape, world_size)
     if world_size % (tp * pp) == 0:
         dp = world_size // (tp * pp)
         per_step = t.micro_batch_size * dp
@@ -132,6 +138,53 @@ def problems(cfg: Config, world_size: int) -> list[str]:
          f"checkpoint.finetune=true needs checkpoint.load=<a checkpoint path> (got {load})")
     need(load in (None, "auto") or os.path.exists(load),
          f"checkpoint.load={load} does not exist (use auto, null, or an existing checkpoint path)")
+    return out
+
+
+def moe_problems(cfg: Config, shape: ModelShape, world_size: int) -> list[str]:
+    """Mixture of experts and expert parallelism (parallel.ep, parallel.etp), with Megatron-Core's rules."""
+    m, p, moe = cfg.model, cfg.parallel, cfg.model.moe
+    out: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            out.append(message)
+
+    for key, value in (("parallel.ep", p.ep), ("parallel.etp", p.etp)):
+        need(value >= 1, f"{key}={value} must be >= 1")
+    if not moe.num_experts:
+        need(p.ep == 1 and p.etp == 1, f"parallel.ep={p.ep} / parallel.etp={p.etp} split experts: they need a "
+                                       f"mixture-of-experts model (model.moe.num_experts, e.g. model=moe_tiny)")
+        return out
+    if out:
+        return out
+    need(moe.num_experts >= 1 and 1 <= moe.top_k <= moe.num_experts,
+         f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}")
+    need(moe.num_experts % p.ep == 0,
+         f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={p.ep}: every rank of an "
+         f"expert-parallel group holds the same number of experts")
+    experts = p.pp * p.ep * p.etp
+    need(world_size % experts == 0,
+         f"world size {world_size} is not divisible by parallel.pp * ep * etp = {p.pp} * {p.ep} * {p.etp} = "
+         f"{experts}: the expert layout (expert data parallel = world / (pp * ep * etp)) must tile the world")
+    need(shape.moe_ffn_hidden_size % p.etp == 0,
+         f"model.moe.ffn_hidden_size={shape.moe_ffn_hidden_size} is not divisible by parallel.etp={p.etp}")
+    need(not shape.moe_shared_ffn_hidden_size or shape.moe_shared_ffn_hidden_size % p.tp == 0,
+         f"model.moe.shared_expert_ffn_hidden_size={shape.moe_shared_ffn_hidden_size} is not divisible by "
+         f"parallel.tp={p.tp}")
+    need(p.tp == 1 or p.sp, f"a mixture of experts with parallel.tp={p.tp} needs parallel.sp=true "
+                            f"(Megatron-Core's MoE layer takes sequence-parallel tokens under TP)")
+    need(not m.add_bias_linear, "a mixture of experts needs model.add_bias_linear=false (Megatron-Core's MoE "
+                                "layer returns no bias)")
+    need(moe.layer_freq >= 1 and 0 <= moe.first_dense < m.num_layers,
+         f"model.moe.layer_freq={moe.layer_freq} must be >= 1 and model.moe.first_dense={moe.first_dense} below "
+         f"model.num_layers={m.num_layers}: at least one layer must be MoE")
+    need(moe.aux_loss_coeff >= 0 and (moe.z_loss_coeff is None or moe.z_loss_coeff >= 0),
+         "model.moe.aux_loss_coeff and model.moe.z_loss_coeff must be >= 0")
+    need(moe.capacity_factor is None or moe.capacity_factor > 0,
+         f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (null: no token dropping)")
+    need(not moe.grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
+         "model.moe.grouped_gemm=true needs Transformer Engine (the NGC PyTorch container has it)")
     return out
 
 

@@ -30,6 +30,16 @@ The patches, narrowest first:
    (language_module.py 307) and the optimizer state reload calls `.cuda()`; for callers in `megatron.core`
    on a CPU-only machine `.cuda()` returns the tensor itself.
 
+5. MoE's alltoall dispatcher: `moe_utils.maybe_move_tensor_to_cpu` (bound in token_dispatcher.py) turns
+   only CUDA tensors into the numpy split sizes `all_to_all_single` takes; on CPU they stay tensors and
+   the collective raises `TypeError: incompatible function arguments`. Replaced in token_dispatcher's
+   namespace by one that also converts CPU tensors.
+6. Uneven first-dimension gathers: with expert TP > 1 the alltoall dispatcher gathers and reduce-scatters
+   token blocks of different sizes per rank (mappings.py `_gather_along_first_dim` /
+   `_reduce_scatter_along_first_dim` with split sizes), which gloo refuses (`invalid tensor size`). In
+   mappings' namespace, those calls pad to the largest block and all-gather, or all-reduce and slice;
+   calls without split sizes are Megatron-Core's own.
+
 What this module does not cover (not reached by a training step on CPU): TE/apex kernels, CUDA graphs,
 `torch.autocast("cuda")` (keep `enable_autocast` off), FSDP, inference, the grad scaler (fp16 only; we
 train fp32/bf16). The torch.compile'd fusions need no patch (model.fused_kernels=true runs on CPU, tested).
@@ -266,6 +276,43 @@ def _tensor_cuda(self, *args, **kwargs):
     return _torch_tensor_cuda(self, *args, **kwargs)
 
 
+# --- patches 5 and 6: MoE token dispatch on gloo ------------------------------------------------------------
+
+
+def _move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    """moe_utils.maybe_move_tensor_to_cpu for a CPU-only machine (patch 5): split sizes become numpy."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
+def _uneven_gather(original):
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))  # [max rows, ...]
+        padded[: input_.shape[0]] = input_
+        blocks = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(blocks, padded, group=group)
+        return torch.cat([block[:n] for block, n in zip(blocks, sizes)])  # [sum rows, ...]
+
+    return gather_along_first_dim
+
+
+def _uneven_reduce_scatter(original):
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()  # [sum rows, ...]
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start: start + sizes[group.rank()]].contiguous()  # this rank's [rows, ...]
+
+    return reduce_scatter_along_first_dim
+
+
 # --- apply ------------------------------------------------------------------------------------------------
 
 
@@ -284,12 +331,17 @@ def apply() -> bool:
         return True
     _TORCH_ON_CPU = _TorchOnCpu()
     sys.meta_path.insert(0, _McoreImportHook())
-    import megatron.core.tensor_parallel.random as mcore_random  # noqa: F401  (import after the hook)
+    import megatron.core.tensor_parallel.mappings as mappings  # (imports after the hook)
+    import megatron.core.tensor_parallel.random as mcore_random
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and module is not None:
             _bind_cpu_torch(module)
     mcore_random._set_cuda_rng_state = _set_rng_state_on_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _move_tensor_to_cpu
+    mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
     torch.Tensor.type = _tensor_type
     torch.Tensor.cuda = _tensor_cuda
     _applied = True

@@ -41,14 +41,22 @@ class Layout:
     sp: bool
     dist_opt: bool
     recompute: str  # none | selective | full
+    ep: int = 1  # expert parallel (MoE)
+    etp: int = 1  # expert tensor parallel (MoE)
 
     @classmethod
     def of(cls, cfg: Config, dp: int) -> Layout:
         p = cfg.parallel
-        return cls(p.tp, p.pp, p.vpp, dp, p.sp, p.dist_opt, cfg.model.recompute)
+        return cls(p.tp, p.pp, p.vpp, dp, p.sp, p.dist_opt, str(cfg.model.recompute), p.ep, p.etp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel: the ranks holding the same experts (world / (pp * ep * etp))."""
+        return self.tp * self.dp // (self.ep * self.etp)
 
     def describe(self) -> str:
-        return (f"tp {self.tp} pp {self.pp} vpp {self.vpp or '-'} dp {self.dp} sp {'on' if self.sp else 'off'} "
+        experts = f" ep {self.ep} etp {self.etp}" if self.ep * self.etp > 1 else ""
+        return (f"tp {self.tp} pp {self.pp} vpp {self.vpp or '-'} dp {self.dp}{experts} sp {'on' if self.sp else 'off'} "
                 f"dist_opt {'on' if self.dist_opt else 'off'} recompute {self.recompute}")
 
 
@@ -81,15 +89,35 @@ def bytes_per_param(precision: str, dist_opt: bool, dp: int) -> float:
     return param + grad + optimizer / (dp if dist_opt else 1)
 
 
-def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool) -> float:
-    """Bytes one layer keeps for backward, for one micro-batch, on one GPU (Korthikanti Table 2)."""
+def mlp_activations(cfg: Config, shape: ModelShape, lay: Layout, moe: bool) -> float:
+    """Bytes a layer's MLP keeps: GELU its input and output, SwiGLU the fc1 output (gate|up), SiLU(gate) and
+    the product. A MoE MLP (balanced routing: each rank's experts get k x its tokens) keeps that for its
+    experts' FFN width, the permuted copies of the tokens going in and out, the router's fp32 logits and
+    probabilities, and the shared expert's like a dense MLP."""
+    s, b, h, t = shape.seq_length, cfg.train.micro_batch_size, shape.hidden_size, lay.tp
+    e = 2 if cfg.train.precision == "bf16" else 4
+    width = 4 if shape.gated else 2
+    if not moe:
+        return e * s * b * shape.ffn_hidden_size * width / t
+    tokens = s * b / (t if lay.sp else 1)
+    k, ffn = shape.moe_top_k, shape.moe_ffn_hidden_size
+    routed = e * tokens * k * (2 * h + ffn * width / lay.etp)
+    router = 2 * 4 * tokens * shape.num_experts
+    shared = e * s * b * (shape.moe_shared_ffn_hidden_size or 0) * width / t
+    return routed + router + shared
+
+
+def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool,
+                      moe: bool = False) -> float:
+    """Bytes one layer (with a MoE MLP when moe) keeps for backward, for one micro-batch, on one GPU
+    (Korthikanti Table 2, term by term)."""
     m = cfg.model
     s, b, h, t = shape.seq_length, cfg.train.micro_batch_size, shape.hidden_size, lay.tp
     e = 2 if cfg.train.precision == "bf16" else 4  # bytes per activation element
     seq_split = t if lay.sp else 1  # SP shards the TP-replicated tensors along the sequence
     if lay.recompute == "full":  # only the layer's input survives; the rest is recomputed in backward
         return e * s * b * h / seq_split
-    q, kv, ffn = shape.q_width, shape.kv_width, shape.ffn_hidden_size
+    q, kv = shape.q_width, shape.kv_width
     mask = 1 if m.hidden_dropout > 0 else 0  # dropout masks: one byte per element
     # 2 norm inputs, the inputs of QKV and fc1 (kept sequence-sharded under SP), 2 hidden-dropout masks
     out = s * b * h * (4 * e + 2 * mask) / seq_split
@@ -97,8 +125,7 @@ def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attenti
     out += e * s * b * (2 * q + 2 * kv) / t
     if shape.position_embedding == "rope":  # unfused RoPE: rotated copies of Q and K (QKV's output stays as V)
         out += e * s * b * (q + kv) / t
-    # GELU keeps its input and output; SwiGLU the fc1 output (gate|up), SiLU(gate) and the product
-    out += e * s * b * ffn * (4 if shape.gated else 2) / t
+    out += mlp_activations(cfg, shape, lay, moe)
     if lay.recompute == "none" and not flash_attention:  # materialised s x s scores: softmax output,
         dropout = 1 + e if m.attention_dropout > 0 else 0  # + dropout mask and dropout output
         out += (e + dropout) * shape.num_attention_heads * s * s * b / t
@@ -121,9 +148,16 @@ def layers_in_flight(num_layers: int, lay: Layout, num_microbatches: int, stage:
 def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int, stage: int,
                       flash_attention: bool) -> float:
     in_flight = layers_in_flight(shape.num_layers, lay, num_microbatches, stage)
-    out = layer_activations(cfg, shape, lay, flash_attention) * in_flight
+    moe_share = len(shape.moe_layer_numbers) / shape.num_layers  # MoE layers spread evenly over the stages
+
+    def layer(lay: Layout) -> float:
+        dense = layer_activations(cfg, shape, lay, flash_attention)
+        return dense if not moe_share else \
+            (1 - moe_share) * dense + moe_share * layer_activations(cfg, shape, lay, flash_attention, moe=True)
+
+    out = layer(lay) * in_flight
     if lay.recompute == "full":  # backward recomputes one layer at a time: its activations live once
-        out += layer_activations(cfg, shape, replace(lay, recompute="none"), flash_attention)
+        out += layer(replace(lay, recompute="none"))
     if stage == lay.pp - 1:  # final norm and output-layer inputs; logits and cross-entropy's fp32 softmax
         e = 2 if cfg.train.precision == "bf16" else 4
         s, b = shape.seq_length, cfg.train.micro_batch_size
@@ -138,11 +172,15 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int,
     models/attention.py calls scaled_dot_product_attention, whose GPU kernels keep no s x s scores."""
     from models.gpt import num_params
 
-    per_param = bytes_per_param(cfg.train.precision, lay.dist_opt, lay.dp)
+    precision = str(cfg.train.precision)
     worst = None
     for stage in sorted({0, lay.pp - 1}):
-        params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp)
-        candidate = Estimate(lay, num_params(shape), params, stage, params * per_param,
+        params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp)
+        experts = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, experts_only=True)
+        # the distributed optimizer shards dense state over DP, expert state over the expert-DP group
+        weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.dp) + \
+            experts * bytes_per_param(precision, lay.dist_opt, lay.edp)
+        candidate = Estimate(lay, num_params(shape), params, stage, weights,
                              stage_activations(cfg, shape, lay, num_microbatches, stage, flash_attention))
         if worst is None or candidate.total > worst.total:
             worst = candidate

@@ -1,0 +1,131 @@
+"""Mixture-of-experts MLP: Megatron-Core's MoELayer, a block like any other (models/spec.py: "moe").
+
+    router (TopKRouter, [E, h], replicated) -> token dispatcher (alltoall over the expert-parallel group, or
+    allgather) -> this rank's E/ep experts (SequentialMLP of ColumnParallelLinear / RowParallelLinear over the
+    expert-tensor-parallel group; TE's TEGroupedMLP with model.moe.grouped_gemm) -> combine (+ shared expert)
+
+ModelShape puts "moe" in the MLP of the layers model.moe chooses (model.moe.first_dense, layer_freq); the
+rest keep model.mlp. Everything else is Megatron-Core's: expert parameters are marked allreduce=False, so
+DDP gives them their own buffer reduced over the expert-data-parallel group and the optimizer becomes a
+chain (dense + expert); the router attaches its load-balancing loss (and z-loss) to the activations with
+its own gradient scale (MoEAuxLossAutoScaler). This file adds what the template reads: the parameter
+count per GPU and the FLOPs of the active experts, the statistics for the logs (the router's losses and
+the tokens each expert got, models/extra_losses.py), and the Hugging Face (Mixtral) weight mapping.
+Megatron-Core's MoE layer needs sequence parallelism with TP > 1 and no linear biases (training/validate.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from models.extra_losses import Stat, record, record_mean
+from models.shape import ModelShape, Split
+
+AUX_LOSS, Z_LOSS, IMBALANCE = "load_balancing_loss", "z_loss", "moe_load_imbalance"
+
+
+class Router(TopKRouter):
+    """Megatron-Core's TopKRouter, recording for the logs (once per training micro-batch: only with grad
+    enabled, as the router applies its losses) its losses, unscaled, and the tokens routed to each expert."""
+
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name,
+                                           reduce_group, needs_dp_avg=True, valid_token_count=None):
+        # Under SP each TP rank's aux_loss is its sequence shard's part of the micro-batch's loss (the expert
+        # loads are TP-global, the scores local): the shards sum to it. Times the group size, the token mean
+        # over the TP ranks that the logs take is that sum.
+        tokens = valid_token_count if valid_token_count is not None else activation.shape[0]
+        record_mean(aux_loss_name, aux_loss / aux_loss_coeff * reduce_group.size(), int(tokens))
+        return super().attach_and_log_load_balancing_loss(activation, aux_loss_coeff, aux_loss, aux_loss_name,
+                                                          reduce_group, needs_dp_avg, valid_token_count)
+
+    def apply_z_loss(self, logits, padding_mask=None):  # logits [tokens, E]
+        if self.config.moe_z_loss_coeff is not None and self.training and torch.is_grad_enabled():
+            record_mean(Z_LOSS, torch.logsumexp(logits.float(), dim=-1).square().mean(), logits.shape[0])
+        return super().apply_z_loss(logits, padding_mask)
+
+    def routing(self, logits, padding_mask=None):
+        probs, routing_map = super().routing(logits, padding_mask)  # routing_map [tokens, E] bool
+        if self.training and torch.is_grad_enabled():
+            load = torch.zeros(self.config.num_layers, self.num_experts, device=routing_map.device)
+            load[self.layer_number - 1] = routing_map.sum(dim=0)  # this layer's tokens per expert
+            record(IMBALANCE, load)
+        return probs, routing_map
+
+
+def imbalance(load: torch.Tensor, num_layers: int, num_experts: int) -> float | None:
+    """Tokens per expert summed over the step and every rank, [layers x E] -> the mean over MoE layers of
+    (max / mean): 1.0 is perfectly balanced, E is every token on one expert."""
+    per_layer = load.view(num_layers, num_experts)
+    per_layer = per_layer[per_layer.sum(dim=1) > 0]
+    if per_layer.numel() == 0:
+        return None
+    return (per_layer.max(dim=1).values / per_layer.mean(dim=1)).mean().item()
+
+
+class MoE(MoELayer):
+    extra_losses = (AUX_LOSS, Z_LOSS)  # recorded by Router when their coefficients are set
+
+    def __init__(self, config: TransformerConfig, layer_number: int | None = None):
+        grouped = config.moe_grouped_gemm  # TEGroupedMLP; else SequentialMLP over Megatron-Core's layers
+        spec = get_moe_module_spec(use_te=grouped, num_experts=config.num_moe_experts, moe_grouped_gemm=grouped)
+        parts = spec.keywords["submodules"]
+        submodules = MoESubmodules(experts=parts.experts, shared_experts=parts.shared_experts, router=Router)
+        super().__init__(config, submodules=submodules, layer_number=layer_number)
+        self.set_layer_number(layer_number)  # the router's too (its statistics are per layer)
+
+    def forward(self, x: torch.Tensor):  # [s(/tp), b, h] -> ([s(/tp), b, h], None)
+        return super().forward(x)
+
+    @staticmethod
+    def extra_stats(shape: ModelShape) -> dict[str, Stat]:
+        rows, experts = shape.num_layers, shape.num_experts
+        return {IMBALANCE: Stat(rows * experts, lambda load: imbalance(load, rows, experts))}
+
+    @staticmethod
+    def num_expert_params(shape: ModelShape, split: Split) -> int:
+        """The routed experts on one GPU: E/ep of them, each split over etp."""
+        h, ffn, fc1 = shape.hidden_size, shape.moe_ffn_hidden_size, 2 if shape.gated else 1
+        return shape.num_experts // split.ep * ((h * fc1 * ffn + ffn * h) // split.etp)
+
+    @staticmethod
+    def num_params(shape: ModelShape, split: Split) -> int:
+        """On one GPU: the router (replicated), the routed experts, the shared expert split over tp."""
+        h, shared, fc1 = shape.hidden_size, shape.moe_shared_ffn_hidden_size or 0, 2 if shape.gated else 1
+        return shape.num_experts * h + MoE.num_expert_params(shape, split) + (h * fc1 * shared + shared * h) // split.tp
+
+    @staticmethod
+    def flops_per_token(shape: ModelShape) -> float:
+        """The active experts' GEMMs (top-k of them) and the shared expert's, as Megatron-LM counts them (the
+        router's E x h GEMM is not counted there either)."""
+        gemms = 3 if shape.gated else 2
+        ffn = shape.moe_top_k * shape.moe_ffn_hidden_size + (shape.moe_shared_ffn_hidden_size or 0)
+        return 2 * shape.hidden_size * ffn * gemms
+
+    # ---- Hugging Face interop (Mixtral): this block's weights <-> HF's `block_sparse_moe.*` ----------------------
+    # Mixtral's router is `gate.weight` [E, h]; expert j's w1 (gate), w3 (up) and w2 (down) are Llama's gate/up/down:
+    # our local_experts.j.linear_fc1 = [w1; w3] ([2*ffn, h], as models/mlp.py's SwiGLU), linear_fc2 = w2. The full
+    # (ep=1) model holds every expert. transformers >= 5 keeps the experts fused in memory (mlp.experts.gate_up_proj
+    # [E, 2*ffn, h], down_proj [E, h, ffn]) and converts this, the checkpoints' format, when loading.
+    hf_name = "block_sparse_moe"
+
+    @staticmethod
+    def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        out = {"router.weight": get("gate.weight")}
+        for j in range(config.num_moe_experts):
+            ours = f"experts.local_experts.{j}."
+            out[ours + "linear_fc1.weight"] = torch.cat([get(f"experts.{j}.w1.weight"), get(f"experts.{j}.w3.weight")])
+            out[ours + "linear_fc2.weight"] = get(f"experts.{j}.w2.weight")
+        return out
+
+    @staticmethod
+    def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        out = {"gate.weight": get("router.weight")}
+        for j in range(config.num_moe_experts):
+            ours = f"experts.local_experts.{j}."
+            out[f"experts.{j}.w1.weight"], out[f"experts.{j}.w3.weight"] = torch.chunk(get(ours + "linear_fc1.weight"), 2)
+            out[f"experts.{j}.w2.weight"] = get(ours + "linear_fc2.weight")
+        return out
