@@ -126,6 +126,7 @@ class MoE(MoELayer):
         out = {"gate.weight": get("router.weight")}
         for j in range(config.num_moe_experts):
             ours = f"experts.local_experts.{j}."
-            out[f"experts.{j}.w1.weight"], out[f"experts.{j}.w3.weight"] = torch.chunk(get(ours + "linear_fc1.weight"), 2)
+            gate, up = torch.chunk(get(ours + "linear_fc1.weight"), 2)  # [ffn, h] each
+            out[f"experts.{j}.w1.weight"], out[f"experts.{j}.w3.weight"] = gate, up
             out[f"experts.{j}.w2.weight"] = get(ours + "linear_fc2.weight")
         return out

@@ -168,7 +168,8 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
         built = sum(param.numel() for chunk in state.model for param in unwrap(chunk).parameters())
         estimated = num_params(state.shape, p.tp, p.pp, ps.get_pipeline_model_parallel_rank(), p.vpp, p.ep, p.etp)
         out = {"losses": losses, "extra": extras, "grads": grads, "params": params, "before": before,
-               "counts": (built, estimated)}
+               "counts": (built, estimated),
+               "expert_buffers": sum(len(getattr(chunk, "expert_parallel_buffers", [])) for chunk in state.model)}
         if want_logits and p.pp == 1:
             gpt = unwrap(state.model[0])
             gpt.eval()
@@ -216,6 +217,7 @@ def _gather(per_rank: list[dict]) -> dict:
     assert all(e == extras[0] for e in extras), f"ranks disagree on the extra losses: {extras}"
     rows = lambda name: VOCAB if "word_embeddings" in name or "output_layer" in name else None  # noqa: E731
     out = {"losses": losses[0], "extra": extras[0], "counts": [r["counts"] for r in per_rank],
+           "expert_buffers": [r["expert_buffers"] for r in per_rank],
            "grads": {n: assemble(parts, rows(n)) for n, parts in grads.items()},
            "params": {n: assemble(parts, rows(n)) for n, parts in params.items()},
            "params_before": {n: assemble(parts, rows(n)) for n, parts in before.items()}}

@@ -150,3 +150,44 @@ def test_ddp_and_optimizer_match_one_process(case, optimizer_runs):
     assert out["losses"][2] < out["losses"][0], "the optimizer must actually train"
     for name, param in ref["params"].items():
         assert max_rel_diff(out["params"][name], param) <= tol, name
+
+
+def _moe_dispatch_patches():
+    """Patches 5 and 6 on 2 gloo ranks, against what the collectives must give; and that without patch 6
+    gloo refuses the uneven gather (the reason it exists)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from training import dist as D
+
+    with D.distributed(tp=2, timeout_minutes=2):
+        group, rank = ps.get_tensor_model_parallel_group(), dist.get_rank()
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+        sizes = [3, 1]  # rank 0 holds 3 rows, rank 1 holds 1
+        mine = torch.arange(sizes[rank] * 2, dtype=torch.float32).view(-1, 2) + 10 * rank  # [rows, 2]
+        gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=splits)
+        full = torch.arange(8, dtype=torch.float32).view(4, 2) * (rank + 1)  # [3 + 1, 2]
+        reduced = mappings._reduce_scatter_along_first_dim(full, group, input_split_sizes=splits)
+        try:  # Megatron-Core's own uneven gather on gloo
+            blocks = list(torch.split(torch.empty(4, 2), sizes))
+            dist.all_gather(blocks, mine, group=group)
+            unpatched = "no error"
+        except (RuntimeError, ValueError) as err:
+            unpatched = type(err).__name__
+        return {"splits_type": type(splits).__name__, "gathered": gathered, "reduced": reduced,
+                "unpatched": unpatched}
+
+
+def test_moe_dispatch_patches_on_gloo():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU patches are only applied without CUDA")
+    results = run_distributed(_moe_dispatch_patches, 2, timeout=120)
+    expected = torch.cat([torch.arange(6, dtype=torch.float32).view(3, 2), torch.arange(2.0).view(1, 2) + 10])
+    full_sum = torch.arange(8, dtype=torch.float32).view(4, 2) * 3  # ranks 0 and 1: x1 + x2
+    for rank, r in enumerate(results):
+        assert r["splits_type"] == "ndarray"  # patch 5: what all_to_all_single takes as split sizes
+        assert torch.equal(r["gathered"], expected)  # patch 6: every rank's rows, in rank order
+        assert torch.equal(r["reduced"], full_sum[:3] if rank == 0 else full_sum[3:])
+        assert r["unpatched"] != "no error", "gloo now gathers uneven blocks itself: patch 6 may go"

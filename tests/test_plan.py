@@ -179,3 +179,21 @@ def test_preflight_reports_on_cpu_and_stops_what_cannot_fit(tmp_path, capsys):
     check(est, capacity_bytes=int(est.total) + 1, fraction=1.0, model="tiny")  # fits: no error
     with pytest.raises(ConfigError, match=r"exceeds .* train.max_memory_fraction=0.5 .*tools/plan.py model=tiny"):
         check(est, capacity_bytes=int(est.total) + 1, fraction=0.5, model="tiny")
+
+
+def test_plan_lists_expert_parallel_layouts_for_mixtral():
+    """tools/plan.py model=mixtral_8x7b: EP layouts with their memory per GPU, and the architecture's count."""
+    cmd = [sys.executable, str(ROOT / "tools/plan.py"), "--json", "model=mixtral_8x7b", "train.precision=bf16",
+           "train.micro_batch_size=1", "train.global_batch_size=128", "plan.gpus_per_node=8", "plan.nodes=2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert {row["ep"] for row in rows} == {1, 2, 4, 8}  # every divisor of the 8 experts that tiles the world
+    assert all(row["params_total"] == 46_702_792_704 for row in rows)  # Mixtral-8x7B's published count
+    assert all(row["tp"] * row["pp"] * row["dp"] == 16 and (row["tp"] * row["dp"]) % row["ep"] == 0 for row in rows)
+    fits = [row for row in rows if row["fits"]]
+    assert fits and rows[0]["recommended"]
+    # more expert parallelism, fewer experts per GPU: less weight memory at the same tp / pp / dp / optimizer
+    by_ep = {row["ep"]: row["mem_gb"]["weights_and_optimizer"] for row in rows
+             if (row["tp"], row["pp"], row["vpp"], row["dist_opt"], row["recompute"]) == (1, 2, None, True, "full")}
+    assert by_ep[8] < by_ep[4] < by_ep[2] < by_ep[1], by_ep

@@ -1,4 +1,5 @@
-"""Hugging Face <-> template checkpoints (Llama family: GQA, RoPE theta, RMSNorm eps, tied or untied embeddings).
+"""Hugging Face <-> template checkpoints (Llama family: GQA, RoPE theta, RMSNorm eps, tied or untied embeddings;
+Mixtral: the same attention with mixture-of-experts MLPs).
 
     python tools/convert_hf.py import --hf-dir ~/hf/Llama-2-7b-hf --out ckpts/llama2 --name llama2_hf --check
     NPROC=8 launch/train.sh model=llama2_hf parallel.tp=4 checkpoint.load=ckpts/llama2 checkpoint.finetune=true
@@ -98,6 +99,9 @@ def do_import(args, overrides: list[str]) -> bool:
     cfg = compose(overrides)
     fields["name"] = args.name or (Path(args.preset_out).stem if args.preset_out else
                                    re.sub(r"[^a-z0-9_]+", "_", hf_dir.resolve().name.lower()).strip("_") or "hf")
+    for key, value in fields.pop("moe", {}).items():  # a mixture of experts (Mixtral)
+        if f"model.moe.{key}" not in overridden:
+            setattr(cfg.model.moe, key, value)
     for key, value in fields.items():
         if f"model.{key}" not in overridden:
             setattr(cfg.model, key, value)

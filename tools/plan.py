@@ -153,7 +153,7 @@ def assess(option, shape, lay, settings: dict) -> dict:
     budget = settings["gpu_mem_gb"] * t.max_memory_fraction
     return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, ep=lay.ep, etp=lay.etp, sp=lay.sp,
                 dist_opt=lay.dist_opt, recompute=lay.recompute, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
-                stage=est.stage, params_per_gpu=est.params_per_gpu, micro_batches=micro,
+                stage=est.stage, params_total=est.params_total, params_per_gpu=est.params_per_gpu, micro_batches=micro,
                 bubble=round(bubble, 4), comm_gb={"tp": round(tp_bytes / GB, 3), "dp": round(dp_bytes / GB, 3),
                                                   "pp": round(pp_bytes / GB, 3), "ep": round(ep_bytes / GB, 3)},
                 score=round((1 + bubble) * (1 + recompute + tp_comm + ep_comm) + pp_comm + dp_comm, 4))

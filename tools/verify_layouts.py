@@ -2,6 +2,8 @@
 
     python tools/verify_layouts.py --steps 4 --layouts tp2,sp,pp2,vpp,dp2,distopt,tp2pp2,accum,recompute-full,recompute-selective,bf16
     python tools/verify_layouts.py --steps 4 --layouts tp2,pp2 model=gpt2_124m model.num_layers=2   # your model
+    python tools/verify_layouts.py model=moe_tiny --layouts ep2,ep2tp2,ep2distopt,ep2pp2          # experts
+    python tools/verify_layouts.py model=moe_tiny          # every layout this model can run (the rest: said why)
 
 It saves the initial weights once (train.iters=0), then launches train.py with torchrun for the
 reference (1 process) and for each layout, every one loading those weights (checkpoint.finetune: PP
@@ -45,7 +47,32 @@ LAYOUTS = {
     "recompute-full": (2, ["parallel.tp=2", "model.recompute=full"]),
     "recompute-selective": (2, ["parallel.tp=2", "parallel.sp=true", "model.recompute=selective"]),
     "bf16": (2, ["train.precision=bf16"]),
+    # a mixture of experts (model=moe_tiny): experts over 2 ranks, with TP+SP, the distributed optimizer, PP
+    "ep2": (2, ["parallel.ep=2"]),
+    "ep2tp2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]),
+    "ep2distopt": (2, ["parallel.ep=2", "parallel.dist_opt=true", "parallel.overlap_grad_reduce=true"]),
+    "ep2pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
 }
+
+
+def default_layouts(user_overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the layouts that can run this model, the others with why). A MoE's load-balancing loss depends on
+    which sequences share a micro-batch: layouts that change the micro-batch size compute another loss."""
+    from training.compose import compose
+    from training.validate import problems
+
+    cfg = compose(user_overrides)
+    moe = bool(cfg.model.moe.num_experts)
+    runnable, skipped = [], []
+    for name, (nproc, overrides) in LAYOUTS.items():
+        found = problems(compose([*user_overrides, *overrides]), nproc)
+        if moe and any(o.startswith("train.micro_batch_size=") for o in overrides):
+            skipped.append(f"{name} (changes the micro-batch: another MoE load-balancing loss)")
+        elif found:
+            skipped.append(f"{name} ({found[0]})")
+        else:
+            runnable.append(name)
+    return runnable, skipped
 
 
 def launch(nproc: int, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
@@ -72,10 +99,16 @@ def max_rel_diff(got: list[float], ref: list[float]) -> float:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per layout")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated from {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default=None, help=f"comma-separated from {', '.join(LAYOUTS)} (default: "
+                                                        f"every one this model can run)")
     parser.add_argument("--work-dir", default=None, help="where run dirs go (default: a temporary dir)")
     args, user_overrides = parser.parse_known_args(argv)
-    names = [n for n in args.layouts.split(",") if n]
+    if args.layouts is None:
+        names, skipped = default_layouts(user_overrides)
+        for line in skipped:
+            print(f"skipped: {line}")
+    else:
+        names = [n for n in args.layouts.split(",") if n]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         print(f"error: unknown layouts {unknown}; choose from {', '.join(LAYOUTS)}", file=sys.stderr)

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.gpt import GPT
 from models.shape import ModelShape
 from training import bridge
+from training.shims import upstream_fixes
 from training.config import Config
 
 
@@ -57,6 +58,7 @@ def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, 
                            vp_stage=stage)
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        upstream_fixes.mark_expert_params(model)  # the same optimizer layout at every EP size
         model.to(device)
         if config.bf16:
             model = Float16Module(config, model)

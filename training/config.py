@@ -202,6 +202,7 @@ def to_config(cfg: Any) -> Config:
     return OmegaConf.to_object(merged)
 
 
-__all__ = ["Activation", "DecayStyle", "Dispatcher", "MoEConfig", "NanPolicy", "ScoreFunction", "Normalization", "PositionEmbedding", "Precision",
+__all__ = ["Activation", "DecayStyle", "Dispatcher", "MoEConfig", "NanPolicy", "ScoreFunction", "Normalization",
+           "PositionEmbedding", "Precision",
            "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "register", "to_config"]

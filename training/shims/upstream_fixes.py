@@ -22,6 +22,15 @@ after the upstream report and covered by a test.
       parameter per iteration and the bias correction is wrong from then on: the run silently diverges
       from the uninterrupted one. Fix: give each parameter its own copy after loading.
    Test: tests/test_checkpoint.py (bit-identical losses after resuming with the distributed optimizer).
+
+3. MoE optimizer state across expert-parallel sizes: Megatron-Core marks expert weights `allreduce=False`
+   (own DDP buffer, own optimizer in a ChainedOptimizer, reduced over the expert-data-parallel group)
+   only when EP > 1 or expert TP != TP; at EP = 1 they are ordinary weights in the dense optimizer. The
+   optimizer's checkpoint layout then differs between EP = 1 and EP > 1, and a resume across them fails
+   (`ValueError: Could not find parameter group ...`, plain; `KeyError: 'optimizer'`, distributed).
+   Fix: expert weights are always marked expert weights; at EP = 1 the expert-data-parallel group is the
+   data-parallel group, so the arithmetic is unchanged.
+   Test: tests/test_moe.py (EP2 -> EP1 and EP1 -> EP2 resume, Adam state included).
 """
 
 from __future__ import annotations
@@ -35,6 +44,16 @@ def pipeline_p2p_settings(pp: int, vpp: int | None) -> dict:
     return {"overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
 
 
+
+
+def mark_expert_params(chunk) -> None:
+    """Fix 3: every routed expert's weights are expert weights (allreduce=False), whatever the EP size."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for module in chunk.modules():
+        if isinstance(module, SequentialMLP) or type(module).__name__ == "TEGroupedMLP":
+            for param in module.parameters():
+                param.allreduce = False
 
 
 def _torch_adam_distributed_optimizers(optimizer) -> list:

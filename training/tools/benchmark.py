@@ -89,6 +89,9 @@ def build_mcore(cfg: Config, shape: ModelShape, device: torch.device, use_te: bo
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import HAVE_APEX, HAVE_TE
 
+    if shape.num_experts:
+        raise ConfigError("--compare-mcore builds Megatron-Core's dense GPTModel: compare a dense model (this one "
+                          "has model.moe.num_experts)")
     if use_te and not HAVE_TE:
         raise ConfigError("--te needs Transformer Engine (the NGC PyTorch image has it)")
     if cfg.parallel.sp and not use_te and (cfg.model.normalization == "RMSNorm" or not HAVE_APEX):

@@ -56,8 +56,9 @@ class Layout:
 
     def describe(self) -> str:
         experts = f" ep {self.ep} etp {self.etp}" if self.ep * self.etp > 1 else ""
-        return (f"tp {self.tp} pp {self.pp} vpp {self.vpp or '-'} dp {self.dp}{experts} sp {'on' if self.sp else 'off'} "
-                f"dist_opt {'on' if self.dist_opt else 'off'} recompute {self.recompute}")
+        return (f"tp {self.tp} pp {self.pp} vpp {self.vpp or '-'} dp {self.dp}{experts} "
+                f"sp {'on' if self.sp else 'off'} dist_opt {'on' if self.dist_opt else 'off'} "
+                f"recompute {self.recompute}")
 
 
 @dataclass(frozen=True)
