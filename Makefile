@@ -1,4 +1,4 @@
-# make train   set up (first time) and train the embedded default (tiny GPT, 2 CPU processes or all GPUs)
+# make train   set up (first time), train the embedded default (tiny GPT, 2 CPU processes or all GPUs), sample it
 # make test    set up (first time) and run the test suite (CPU; GPU tests run when a GPU is present)
 # make test-fast  the fast tier (< 5 min on 2 cores): configs, the model seam, tp2/pp2 equivalence, one launch
 # make setup   create .venv with the pinned versions (constraints.txt), the test and Hugging Face extras
@@ -19,8 +19,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf]"
 	touch $(STAMP)
 
+SAMPLE_PROMPT ?= The import statement
 train: setup
-	launch/train.sh $(ARGS)
+	@run_dir=$${RUN_DIR:-outputs/$$(date +%Y-%m-%d/%H-%M-%S)}; \
+	RUN_DIR=$$run_dir launch/train.sh $(ARGS) || exit $$?; \
+	if [ -f $$run_dir/checkpoints/latest ]; then \
+	  echo "--- a sample of the trained model ($$run_dir/checkpoints):"; \
+	  $(PY) tools/generate.py --ckpt $$run_dir/checkpoints --prompt "$(SAMPLE_PROMPT)" --max-new-tokens 160 \
+	    --temperature 0.8 --top-k 20 --seed 1 2>/dev/null && \
+	  echo "--- more: $(PY) tools/generate.py --ckpt $$run_dir/checkpoints --prompt 'Your text' --max-new-tokens 400"; \
+	fi
 
 test: setup
 	$(PY) -m pytest -q -ra --durations=15 tests

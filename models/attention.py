@@ -14,6 +14,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from models.kv_cache import KVCache
 from models.shape import ModelShape, Split
 
 class ApplyRope(torch.autograd.Function):
@@ -57,11 +58,11 @@ class CoreAttention(torch.nn.Module):
         super().__init__()
         self.dropout_p = config.attention_dropout
 
-    def forward(self, q, k, v):  # q [s, b, np/tp, hn]; k, v [s, b, ng/tp, hn]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/tp, s, hn]
+    def forward(self, q, k, v, mask=None):  # q [s, b, np/tp, hn]; k, v [s_k, b, ng/tp, hn]; mask [b, 1, s, s_k]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/tp, s(_k), hn]
         dropout_p = self.dropout_p if self.training else 0.0
-        with tensor_parallel.get_cuda_rng_tracker().fork():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+        with tensor_parallel.get_cuda_rng_tracker().fork():  # mask: generation (models/kv_cache.py)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
                                                  enable_gqa=k.shape[1] != q.shape[1])
         b, n, s, hn = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)  # [s, b, np/tp * hn]
@@ -71,6 +72,7 @@ class SelfAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int | None = None):
         super().__init__(config=config)
         tp = config.tensor_model_parallel_size
+        self.layer_number = layer_number  # its entry in a generation's KV cache
         self.head_dim = config.kv_channels
         self.heads_per_group = divide(config.num_attention_heads, config.num_query_groups)
         self.local_groups = divide(config.num_query_groups, tp)
@@ -87,7 +89,9 @@ class SelfAttention(MegatronModule):
             input_is_parallel=True, skip_bias_add=True,
         )
 
-    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None):  # x [s(/tp), b, h]
+    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None, cache: KVCache | None = None):
+        """x [s(/tp), b, h]; rotary_freqs [s, 1, 1, hn] (or [s, b, 1, hn] with a cache: each sequence's own
+        positions); cache: generation's keys and values so far (models/kv_cache.py), None in training."""
         qkv, _ = self.linear_qkv(x)  # [s, b, ng/tp * (np/ng + 2) * hn] (SP: gathered along s)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, (self.heads_per_group + 2) * self.head_dim)
@@ -96,7 +100,10 @@ class SelfAttention(MegatronModule):
         q = q.reshape(s, b, -1, self.head_dim)  # [s, b, np/tp, hn]
         if rotary_freqs is not None:  # [s, 1, 1, hn]
             q, k = self._rope(q, k, rotary_freqs)
-        if self.selective_recompute and self.training:  # keep only q, k, v; redo attention in backward
+        if cache is not None:  # attend to every cached position too: k, v [length + s, b, ng/tp, hn]
+            k, v = cache.store(self.layer_number, k, v)
+            out = self.core_attention(q, k, v, mask=cache.mask(s))
+        elif self.selective_recompute and self.training:  # keep only q, k, v; redo attention in backward
             out = tensor_parallel.checkpoint(self.core_attention, False, q, k, v)
         else:
             out = self.core_attention(q, k, v)  # [s, b, np/tp * hn]

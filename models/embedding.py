@@ -29,11 +29,13 @@ class Embedding(MegatronModule):
                 config.embedding_init_method(self.position_embeddings.weight)
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] token ids
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [b, s]; positions [b, s] (generation: each sequence's own), else 0..s-1."""
         x = self.word_embeddings(input_ids)  # [b, s, h] (VocabParallelEmbedding all-reduces over TP)
         if self.position_embeddings is not None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            x = x + self.position_embeddings(positions)  # [s, h] broadcast over b
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.position_embeddings(positions)  # [s, h] broadcast over b, or [b, s, h]
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.sequence_parallel:
             x = tensor_parallel.scatter_to_sequence_parallel_region(x)  # [s/tp, b, h]

@@ -20,6 +20,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.embedding import Embedding
+from models.kv_cache import KVCache
 from models.layer import HF_NAMES
 from models.norm import Norm
 from models.shape import ModelShape, Split
@@ -70,15 +71,24 @@ class GPT(LanguageModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
+                cache: KVCache | None = None):
         """input_ids (first stage only), labels [b, s]. Returns per-token loss [b, s] (with labels), else logits
-        [b, s, V_padded/tp] on the last stage, else this stage's activations [s(/tp), b, h]."""
-        x = self.embedding(input_ids) if self.pre_process else self.input_tensor  # [s(/tp), b, h]
+        [b, s, V_padded/tp] on the last stage, else this stage's activations [s(/tp), b, h]. cache: generation
+        (models/kv_cache.py): the new tokens take their positions from it and attend to what it holds."""
+        positions = None if cache is None else cache.positions(
+            input_ids.shape[1] if self.pre_process else self.input_tensor.shape[0])  # [b, s]
+        x = self.embedding(input_ids, positions) if self.pre_process else self.input_tensor  # [s(/tp), b, h]
         freqs = None
-        if self.rotary_pos_emb is not None:
+        if self.rotary_pos_emb is not None and cache is not None:  # each sequence's own positions
+            table = self.rotary_pos_emb(cache.max_length)[:, 0, 0, :]  # [max, hn]
+            freqs = table[positions.t()].unsqueeze(2)  # [s, b, 1, hn]
+        elif self.rotary_pos_emb is not None:
             sp_factor = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
             freqs = self.rotary_pos_emb(x.shape[0] * sp_factor)  # [s, 1, 1, hn]
-        x = self.decoder(x, freqs)
+        x = self.decoder(x, freqs, cache)
+        if cache is not None:
+            cache.advance(x.shape[0])
         if not self.post_process:
             return x
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \

@@ -32,6 +32,10 @@ class TransformerLayer(MegatronModule):
             out = out + bias
         return x + self.dropout(out)
 
-    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None):  # [s(/tp), b, h]
-        x = self._residual(x, self.self_attention(self.input_layernorm(x), rotary_freqs))
+    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None, cache=None):  # [s(/tp), b, h]
+        h = self.input_layernorm(x)
+        # cache (generation, models/kv_cache.py) only when given: an attention block without one still trains
+        attention = self.self_attention(h, rotary_freqs) if cache is None else \
+            self.self_attention(h, rotary_freqs, cache)
+        x = self._residual(x, attention)
         return self._residual(x, self.mlp(self.pre_mlp_layernorm(x)))

@@ -42,7 +42,7 @@ class TransformerStack(MegatronModule):
         self.final_layernorm = Norm(config) if post_process else None
         self.full_recompute = config.recompute_granularity == "full"
 
-    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None):  # [s(/tp), b, h]
+    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None, cache=None):  # [s(/tp), b, h]
         # Under SP each TP rank holds different tokens: hidden dropout must differ across ranks.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel \
             else contextlib.nullcontext()
@@ -51,7 +51,7 @@ class TransformerStack(MegatronModule):
                 if self.full_recompute and self.training:  # keep only each layer's input
                     x = tensor_parallel.checkpoint(layer, False, x, rotary_freqs)
                 else:
-                    x = layer(x, rotary_freqs)
+                    x = layer(x, rotary_freqs, cache)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -154,6 +154,11 @@ def main(argv: list[str]) -> int:
         print(f"{name:<22}{nproc:>6}{diff:>16.3e}{tol:>12.0e}  {'pass' if ok else 'FAIL'}{note}")
     print(f"{len(names) - failures}/{len(names)} layouts match the 1-process reference over {args.steps} steps "
           f"({'all pass' if not failures else f'{failures} FAILED'}); runs in {work}")
+    from compare_runs import draw, read_run  # tools/compare_runs.py: every run's curves in one picture
+
+    curves = {name: read_run(work / name) for name in [*(f"reference-{p}" for p in references), *names]
+              if (work / name / "metrics.jsonl").is_file()}
+    print(f"curves: {draw(curves, work / 'layouts.png')}")
     return 1 if failures else 0
 
 

@@ -262,8 +262,9 @@ def check_same_optimizer(cfg: Config, run: dict, path: Path) -> None:
             f"DP may change), or load the weights only with checkpoint.finetune=true")
 
 
-def maybe_load(cfg: Config, state: TrainState) -> Start:
-    """Load per checkpoint.load / checkpoint.finetune (weights only: the run starts at iteration 0)."""
+def maybe_load(cfg: Config, state: TrainState, announce=print0) -> Start:
+    """Load per checkpoint.load / checkpoint.finetune (weights only: the run starts at iteration 0);
+    announce(message) says what was loaded (tools that print results on stdout pass a stderr printer)."""
     path, weights_only = resolve_load_path(cfg)
     if path is None:
         return Start()
@@ -288,7 +289,8 @@ def maybe_load(cfg: Config, state: TrainState) -> Start:
     if weights_only:
         if state.optimizer is not None:
             state.optimizer.reload_model_params()  # fp32 main params (bf16, distributed optimizer) follow
-        print0(f"fine-tuning from the weights of {path} (fresh optimizer, schedule and data order)")
+        announce(f"fine-tuning from the weights of {path} (fresh optimizer, schedule and data order)"
+                 if state.optimizer is not None else f"loaded the weights of {path}")
         return Start()
     state.optimizer.load_state_dict(loaded["optimizer"])
     upstream_fixes.after_optimizer_load(state.optimizer)

@@ -26,8 +26,14 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def global_loss(reports: list[dict], device: torch.device) -> torch.Tensor:
-    """Token-mean loss over the whole global batch, identical on every rank: [loss_sum, tokens] summed
-    over micro-batches, then over DP ranks, then sent from the last pipeline stage to the others."""
+    """Token-mean loss over the whole global batch, identical on every rank."""
+    total = global_loss_sum(reports, device)
+    return total[0] / total[1].clamp(min=1)
+
+
+def global_loss_sum(reports: list[dict], device: torch.device) -> torch.Tensor:
+    """[loss sum, tokens] (float64) of the whole global batch, identical on every rank: summed over
+    micro-batches, then over DP ranks, then sent from the last pipeline stage to the others."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for report in reports:
         total += report["lm loss"].to(device=device, dtype=torch.float64)
@@ -36,7 +42,7 @@ def global_loss(reports: list[dict], device: torch.device) -> torch.Tensor:
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             total.zero_()
         dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    return total[0] / total[1].clamp(min=1)
+    return total
 
 
 def extra_losses(stats: dict[str, extra.Stat], device: torch.device) -> dict[str, float | None]:

@@ -23,7 +23,7 @@ from training import dist as D
 from training.build import TrainState, unwrap
 from training.config import Config, NanPolicy
 from training.errors import TemplateError
-from training.losses import extra_losses, global_loss, loss_func
+from training.losses import extra_losses, global_loss, global_loss_sum, loss_func
 from training.validate import Derived
 
 
@@ -78,13 +78,16 @@ def train_step(state: TrainState, streams, derived: Derived, cfg: Config, device
 
 
 def evaluate(state: TrainState, make_streams, derived: Derived, cfg: Config, device: torch.device) -> float:
-    """The mean over train.eval_iters global batches of the LM loss (forward only)."""
+    """The token-mean LM loss (forward only) over the first train.eval_iters global batches of the streams
+    make_streams() starts (the validation split: the same batches at every evaluation; tools/evaluate.py
+    computes the same number from a checkpoint)."""
     for chunk in state.model:
         chunk.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    streams = make_streams()  # one pass: batch k of the evaluation is the split's k-th global batch
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for _ in range(cfg.train.eval_iters):
-            total += global_loss(run_schedule(state, make_streams(), derived, cfg, forward_only=True), device)
+            total += global_loss_sum(run_schedule(state, streams, derived, cfg, forward_only=True), device)
     for chunk in state.model:
         chunk.train()
-    return (total / cfg.train.eval_iters).item()
+    return (total[0] / total[1].clamp(min=1)).item()

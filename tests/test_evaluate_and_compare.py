@@ -1,0 +1,68 @@
+"""After training: tools/evaluate.py scores a checkpoint on its run's validation batches (equal to the val loss
+the run logged, at the same and at another layout) and on a text file; tools/compare_runs.py draws runs
+side by side and --assert-close tells apart runs that differ."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runs import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two short runs: 4 iterations, evaluated (2 batches) and saved at the end; the second from another seed."""
+    runs = {}
+    for seed in (1234, 99):
+        run_dir = tmp_path_factory.mktemp(f"run{seed}")
+        train(["train.iters=4", "train.eval_interval=4", "train.eval_iters=2", f"train.seed={seed}"], 1, run_dir)
+        runs[seed] = run_dir
+    return runs
+
+
+def evaluate(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "tools/evaluate.py", "--json", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_evaluate_equals_the_logged_val_loss_at_any_layout(trained, tmp_path):
+    run_dir = trained[1234]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (logged,) = [r["val_loss"] for r in records if "val_loss" in r]
+    same = evaluate("--ckpt", str(run_dir / "checkpoints"))
+    assert same["loss"] == pytest.approx(logged, rel=1e-9) and same["batches"] == 2
+    assert same["tokens"] == 2 * 8 * 64  # eval_iters x global batch x seq_length (tests/runs.py QUICK)
+    tp2 = evaluate("--ckpt", str(run_dir / "checkpoints"), "--nproc", "2", "parallel.tp=2")
+    assert tp2["loss"] == pytest.approx(logged, rel=1e-5) and tp2["layout"] == "tp 2 pp 1 dp 1"
+
+    text = tmp_path / "notes.txt"
+    text.write_text("The import statement combines two operations.\n\nIt searches for the named module.\n")
+    on_text = evaluate("--ckpt", str(run_dir / "checkpoints"), "--text", str(text))
+    lines = [line for line in text.read_text().splitlines() if line.strip()]
+    assert on_text["tokens"] == sum(len(line.encode()) + 1 for line in lines) - 1  # each token predicted once
+    assert 0 < on_text["loss"] < 10
+
+
+def test_compare_runs_draws_and_asserts(trained, tmp_path):
+    from PIL import Image
+
+    a, b = (str(trained[s]) for s in (1234, 99))
+    out = tmp_path / "runs.png"
+    same = subprocess.run([sys.executable, "tools/compare_runs.py", a, a, "--labels", "a,again", "--out", str(out),
+                           "--assert-close", "1e-9"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0, same.stdout + same.stderr
+    with Image.open(out) as picture:
+        assert picture.format == "PNG" and picture.size[0] > 400 and picture.size[1] > 300
+    differ = subprocess.run([sys.executable, "tools/compare_runs.py", a, b, "--out", str(tmp_path / "d.png"),
+                             "--assert-close", "1e-3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert differ.returncode == 1 and "FAILED" in differ.stdout, differ.stdout + differ.stderr
+    missing = subprocess.run([sys.executable, "tools/compare_runs.py", str(tmp_path / "nowhere")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "no metrics.jsonl" in missing.stderr

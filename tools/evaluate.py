@@ -1,0 +1,149 @@
+"""The token-mean loss and perplexity of a checkpoint: on its run's validation batches (the ones its training
+evaluated), on a text file, or on a preprocessed dataset, at any layout.
+
+    python tools/evaluate.py --ckpt outputs/<run>/checkpoints                  # the run's own validation batches
+    python tools/evaluate.py --ckpt DIR --text notes.txt --json                # a text file (one document a line)
+    python tools/evaluate.py --ckpt DIR --data data/corpus --batches 20        # a dataset prefix's validation split
+    python tools/evaluate.py --ckpt DIR --nproc 2 parallel.tp=2                # at another layout (it reshards)
+
+The model, tokenizer, sequence length and batch sizes are the run's (run.json); the other arguments are
+overrides (the layout, train.micro_batch_size, ...). Default: train.eval_iters global batches of the validation
+split, built as the run built them, so the loss equals the run's logged val loss for that checkpoint. --text:
+each non-empty line a document followed by end-of-document, all of them cut into windows of
+model.seq_length + 1 tokens; every token is predicted once (the last window's tail is masked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.errors import ConfigError, exit_on_error  # noqa: E402
+from training.shims.noise import quiet_known_noise  # noqa: E402
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="overrides: parallel.tp=2, train.micro_batch_size=8, ...")
+    ap.add_argument("--ckpt", required=True, help="a checkpoint directory (with `latest`) or an iter_* directory")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--text", help="a text file: one document per non-empty line")
+    source.add_argument("--data", help="a preprocessed dataset prefix (.bin/.idx): its validation split")
+    ap.add_argument("--batches", type=int, help="global batches of the validation split (default: train.eval_iters)")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    ap.add_argument("--nproc", type=int, default=1, help="processes to spawn (ignored under torchrun)")
+    return ap.parse_args(argv)
+
+
+def text_windows(path: str, tokenizer, seq_length: int) -> list[dict]:
+    """Samples (tokens, labels, loss_mask) covering every token of the file once."""
+    import torch
+
+    ids: list[int] = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            ids += tokenizer.encode(line) + [tokenizer.eod]
+    if len(ids) < 2:
+        raise ConfigError(f"{path}: no text to evaluate (no non-empty line)")
+    samples = []
+    for start in range(0, len(ids) - 1, seq_length):
+        window = ids[start:start + seq_length + 1]
+        real = len(window) - 1
+        window = window + [tokenizer.eod] * (seq_length + 1 - len(window))
+        mask = torch.zeros(seq_length)
+        mask[:real] = 1.0
+        text = torch.tensor(window)
+        samples.append({"tokens": text[:-1], "labels": text[1:], "loss_mask": mask})
+    return samples
+
+
+def run(args) -> None:
+    import torch
+
+    from megatron.core import parallel_state as ps
+
+    from training import dist as D
+    from training.data import build_datasets, micro_batch_streams, reads_data
+    from training.losses import global_loss_sum
+    from training.step import run_schedule
+    from training.tokenizer import build_tokenizer
+    from training.tools.generation import inference_config, load_model
+    from training.validate import validate
+
+    quiet_known_noise()
+    cfg, shape, path = inference_config(args.ckpt, args.overrides, for_generation=False)
+    run_json = json.loads((path / "run.json").read_text())
+    if args.data:
+        cfg.data.paths, cfg.data.weights = [args.data], None
+    if args.text:  # one micro-batch per DP rank a step: the file's windows, in order
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg.train.global_batch_size = cfg.train.micro_batch_size * world // (cfg.parallel.tp * cfg.parallel.pp)
+    derived = validate(cfg)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    with D.distributed(**D.layout_of(cfg)) as info:
+        state = load_model(cfg, shape, info.device)
+        chunks, micro, g = len(state.model), cfg.train.micro_batch_size, cfg.train.global_batch_size
+        if args.text:
+            samples = text_windows(args.text, tokenizer, cfg.model.seq_length)
+            blank = {k: torch.zeros_like(v) for k, v in samples[0].items()}
+            samples += [blank] * (-len(samples) % g)  # the last global batch filled with masked samples
+            batches, start = len(samples) // g, lambda k: k * g
+        else:
+            batches = args.batches or cfg.train.eval_iters
+            t = cfg.train
+            evals = t.iters // t.eval_interval + 1 if t.eval_interval else 1  # sized as the run built it
+            _, samples = build_datasets(cfg, tokenizer, (run_json.get("train_samples") or t.iters * g,
+                                                         max(evals * t.eval_iters, batches) * g), reads_data(chunks))
+            start = lambda k: k * g  # noqa: E731
+        total = torch.zeros(2, dtype=torch.float64, device=info.device)
+        with torch.no_grad():
+            for k in range(batches):
+                streams = micro_batch_streams(chunks, samples, start(k), micro)
+                total += global_loss_sum(run_schedule(state, streams, derived, cfg, forward_only=True), info.device)
+        loss = (total[0] / total[1]).item()
+        if os.environ.get("RANK", "0") == "0":
+            layout = (f"tp {ps.get_tensor_model_parallel_world_size()} pp "
+                      f"{ps.get_pipeline_model_parallel_world_size()} dp {derived.dp}")
+            result = {"loss": loss, "ppl": math.exp(min(loss, 30)), "tokens": int(total[1].item()),
+                      "batches": batches, "source": args.text or args.data or "validation split",
+                      "checkpoint": str(path), "layout": layout}
+            print(json.dumps(result) if args.json else
+                  f"loss {loss:.6f} | ppl {result['ppl']:.3f} | {result['tokens']:,} tokens in {batches} global "
+                  f"batches of {result['source']} | {result['layout']} | {path}", flush=True)
+
+
+def _worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if code := exit_on_error(run, args):
+        raise SystemExit(code)
+
+
+def main(argv=None) -> int:
+    from training.net import free_port
+
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun
+        return exit_on_error(run, args)
+    if args.nproc == 1:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        return exit_on_error(run, args)
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(_worker, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="spawn")
+    except mp.ProcessExitedException as error:
+        return error.exit_code or 1
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: spawned workers re-import this file
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,163 @@
+"""Generate text from a checkpoint: ours at whatever layout it was saved, or one imported from Hugging Face.
+
+    python tools/generate.py --ckpt outputs/<run>/checkpoints --prompt "The import statement" --max-new-tokens 200
+    python tools/generate.py --ckpt ckpts/my_llama --tokenizer ~/hf/Llama-2-7b-hf --prompt "Hello" --greedy --json
+    python tools/generate.py --ckpt DIR --prompt-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 3
+    python tools/generate.py --ckpt DIR --prompt "x" --nproc 2 parallel.tp=2      # 2 processes (gloo or NCCL)
+    torchrun --nproc-per-node 4 tools/generate.py --ckpt DIR --prompt "x" parallel.tp=2 parallel.pp=2
+
+The checkpoint's run.json gives the model and the tokenizer it was trained with (--tokenizer overrides it);
+arguments that are not flags are Hydra-style overrides, here the layout (parallel.tp, parallel.pp: the weights
+reshard on load; one model replica, so processes = tp x pp). Prompts of different lengths share a batch.
+Decoding stops at end-of-document or --max-new-tokens. With one prompt the text streams as it is written; with
+--json each prompt gives one line {"prompt", "prompt_ids", "new_ids", "text"} (ids the tokenizer cannot spell,
+where the model's vocabulary is larger than the tokenizer's, are in new_ids and left out of text).
+--no-cache recomputes the whole sequence every step (the KV cache's reference); --bench prints tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.errors import ConfigError, exit_on_error  # noqa: E402
+from training.shims.noise import quiet_known_noise  # noqa: E402
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="layout overrides: parallel.tp=2 parallel.pp=2")
+    ap.add_argument("--ckpt", help="a checkpoint directory (with `latest`) or an iter_* directory")
+    ap.add_argument("--random-init", action="store_true", help="no checkpoint: a randomly initialised model of the "
+                                                               "overrides' config (model=llama_1b ...), for --bench")
+    ap.add_argument("--tokenizer", help="byte or a tokenizer.json (or its directory); default: the run's")
+    ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    ap.add_argument("--prompt-file", help="one prompt per line")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--greedy", action="store_true", help="the most likely token every step (default: sample)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching p (1: all)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    ap.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
+    ap.add_argument("--no-cache", action="store_true", help="recompute every position each step (no KV cache)")
+    ap.add_argument("--bench", action="store_true", help="also print new tokens per second")
+    ap.add_argument("--nproc", type=int, default=1, help="processes to spawn (ignored under torchrun)")
+    return ap.parse_args(argv)
+
+
+def check(args) -> None:
+    """The user's mistakes, before any process starts."""
+    if (args.ckpt is None) == (not args.random_init):
+        raise ConfigError("give --ckpt DIR, or --random-init with the model's overrides (for a benchmark)")
+    if not args.prompt and not args.prompt_file:
+        raise ConfigError("give a prompt: --prompt TEXT (repeatable) or --prompt-file FILE")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if not args.greedy and (args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0):
+        raise ConfigError(f"--temperature={args.temperature} must be > 0, --top-p={args.top_p} in (0, 1], "
+                          f"--top-k={args.top_k} >= 0 (or --greedy)")
+
+
+def prompts_of(args) -> list[str]:
+    texts = list(args.prompt)
+    if args.prompt_file:
+        texts += [line for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
+    return texts
+
+
+def run(args) -> None:
+    """In every process (torchrun or a spawned worker)."""
+    import torch
+
+    from training import dist as D
+    from training.tokenizer import build_tokenizer
+    from training.tools.generation import Sampling, generate, inference_config, load_model, random_config
+
+    quiet_known_noise()
+    cfg, shape, path = inference_config(args.ckpt, args.overrides) if args.ckpt else random_config(args.overrides)
+    world, p = int(os.environ.get("WORLD_SIZE", "1")), cfg.parallel
+    if world != p.tp * p.pp:
+        raise ConfigError(f"generation runs one model replica: {world} processes but parallel.tp * pp = {p.tp} * "
+                          f"{p.pp} = {p.tp * p.pp} (start tp * pp processes: --nproc {p.tp * p.pp})")
+    tokenizer = build_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    texts = prompts_of(args)
+    prompts = [tokenizer.encode(text) for text in texts]
+    sampling = Sampling(args.greedy, args.temperature, args.top_k, args.top_p, args.seed)
+    rank0 = os.environ.get("RANK", "0") == "0"
+
+    def spell(ids) -> str:
+        return tokenizer.decode([i for i in ids if i < tokenizer.vocab_size and i != tokenizer.eod])
+
+    with D.distributed(**D.layout_of(cfg)) as info:
+        if not torch.cuda.is_available():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        state = load_model(cfg, shape, info.device)
+        stream = rank0 and not args.json and len(prompts) == 1
+        written: list[int] = []
+
+        def on_step(step, picked):
+            if stream:  # the text so far, minus what is already on the terminal
+                before = spell(written)
+                written.append(int(picked[0]))
+                print(spell(written)[len(before):], end="", flush=True)
+
+        if stream:
+            print(texts[0], end="", flush=True)
+        start = time.perf_counter()
+        new_ids = generate(state, prompts, args.max_new_tokens, sampling, tokenizer.eod, info.device,
+                           use_cache=not args.no_cache, on_step=on_step)
+        seconds = time.perf_counter() - start
+        if not rank0:
+            return
+        if stream:
+            print()
+        for text, ids, new in zip(texts, prompts, new_ids):
+            if args.json:
+                print(json.dumps({"prompt": text, "prompt_ids": ids, "new_ids": new, "text": spell(new)}), flush=True)
+            elif not stream:
+                print(f"--- {text!r}\n{text}{spell(new)}", flush=True)
+        if args.bench:
+            count = sum(len(n) for n in new_ids)
+            print(f"{count} new tokens in {seconds:.2f} s: {count / seconds:,.1f} tokens/s ({len(prompts)} "
+                  f"prompts, {'no cache' if args.no_cache else 'KV cache'}, {path or 'random weights'}, "
+                  f"{cfg.model.name})", flush=True)
+
+
+def _worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if code := exit_on_error(run, args):
+        raise SystemExit(code)
+
+
+def main(argv=None) -> int:
+    from training.net import free_port
+
+    args = parse_args(argv)
+    if code := exit_on_error(check, args):
+        return code
+    if "RANK" in os.environ:  # torchrun
+        return exit_on_error(run, args)
+    if args.nproc == 1:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        return exit_on_error(run, args)
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(_worker, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="spawn")
+    except mp.ProcessExitedException as error:  # a worker's SystemExit (its error is printed already)
+        return error.exit_code or 1
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: spawned workers re-import this file
+    sys.exit(main(sys.argv[1:]))
