@@ -13,6 +13,10 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # A failed or timed-out NCCL collective aborts the process instead of hanging the whole job.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# NCCL's flight recorder: the last 2000 collectives of every rank, dumped (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE,
+# /tmp/nccl_trace_rank_<n> by default) when a collective times out: which rank never joined which collective.
+export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
+export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
 # Growable allocator segments: activations of varying sizes fragment memory less (fewer OOMs near
 # the limit that the planner's estimate assumes reachable).
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
@@ -53,29 +57,70 @@ check_config() {
   WORLD_SIZE="$world" "$PYTHON" tools/check_config.py ${port:+--port "$port"} "$@"
 }
 
-# run_or_print COMMAND...: DRY_RUN=1 prints the exact command (shell-quoted); otherwise runs torchrun
-# and relays signals, exiting with its status. SIGUSR1 (SLURM's pre-timeout warning, launch/slurm.sbatch;
-# docker --init passes it here) goes to torchrun's workers, which checkpoint and exit 0
-# (training/stopping.py): torchrun itself neither relays it (its workers run in their own sessions)
-# nor survives it (default action), so it ignores it. SIGTERM/SIGINT go to torchrun, which stops them.
+# run_or_print COMMAND...: DRY_RUN=1 prints the exact command (shell-quoted); otherwise runs torchrun,
+# relays signals and exits with its status. SIGUSR1 (SLURM's pre-timeout warning, launch/slurm.sbatch;
+# docker --init passes it here) and SIGTERM / SIGINT (a scheduler's stop, Ctrl-C) go to torchrun's workers,
+# which checkpoint and exit 0 (training/stopping.py); torchrun then ends on its own, without the
+# SignalException traceback it prints when signalled itself, so it runs in its own session (a terminal's
+# Ctrl-C reaches this script only) and ignores SIGUSR1. After a SIGTERM / SIGINT stop one line says where
+# the run stopped and how to resume (stop_summary), exit 0; after a failure one line names the rank that
+# died (failure_summary), exit torchrun's status. The caller sets RESUME_CMD (the command that resumes).
 run_or_print() {
   if [ "${DRY_RUN:-0}" = "1" ]; then
     printf '%q ' "$@"
     echo
     return
   fi
+  local errlog status=0 stopped=""
+  errlog=$(mktemp)
   trap '' USR1  # inherited by torchrun; the workers install their own handler
-  "$@" &
+  $(command -v setsid || true) "$@" 2> >(tee "$errlog" >&2) &
   launched=$!
   trap 'pkill -USR1 -P "$launched" || true' USR1
-  trap 'kill -TERM "$launched" 2>/dev/null || true' TERM INT
-  local status=0
+  trap 'stopped=TERM; pkill -TERM -P "$launched" || true' TERM
+  trap 'stopped=INT; pkill -TERM -P "$launched" || true' INT
   wait "$launched" || status=$?
   while kill -0 "$launched" 2>/dev/null; do  # a relayed signal interrupted wait: wait on
     status=0
     wait "$launched" || status=$?
   done
+  sleep 0.2  # tee's last lines
+  if [ -n "$stopped" ] && [ "$status" = 0 ]; then
+    stop_summary "$stopped"
+  elif [ "$status" != 0 ]; then
+    failure_summary "$errlog" "$status"
+  fi
+  rm -f "$errlog"
   exit "$status"
+}
+
+# stop_summary SIGNAL: the checkpoint a signalled stop left and the command that resumes from it.
+stop_summary() {
+  local latest="$RUN_DIR/checkpoints/latest"
+  if [ -f "$latest" ]; then
+    local name
+    name=$(cat "$latest")
+    echo "stopped by SIG$1 at iteration $((10#${name#iter_})): checkpoint $RUN_DIR/checkpoints/$name saved;" \
+         "resume with: RUN_DIR=$RUN_DIR ${RESUME_CMD:-the same command}"
+  else
+    echo "stopped by SIG$1 before any checkpoint was saved (none in $RUN_DIR/checkpoints)"
+  fi
+}
+
+# failure_summary TORCHRUN_STDERR STATUS: one line naming the failed rank, from torchrun's report: a rank
+# killed by a signal first (its peers then fail too, on the broken connection), else the root cause.
+failure_summary() {
+  local rank code restarts latest="$RUN_DIR/checkpoints/latest" how="" failed
+  # "rank code" per failed worker of the last report, a killed one (negative code) first
+  failed=$(awk '/^ *rank *:/ {r=$3} /^ *exitcode *:/ {print r, $3}' "$1" | sort -k2,2n | head -n 1)
+  rank=${failed%% *}
+  code=${failed##* }
+  restarts=$(grep -c "will restart worker group" "$1" || true)
+  case "${code:-}" in -*) how=" (killed by signal ${code#-})" ;; esac
+  echo "error: training failed: rank ${rank:-?} exited with code ${code:-$2}$how, after $restarts of" \
+       "MAX_RESTARTS=${MAX_RESTARTS:-0} restart(s); the newest checkpoint:" \
+       "$([ -f "$latest" ] && echo "$RUN_DIR/checkpoints/$(cat "$latest")" || echo none);" \
+       "the same command resumes from it" >&2
 }
 
 # exec_or_print COMMAND...: DRY_RUN=1 prints the exact command; otherwise replaces this shell with it

@@ -19,6 +19,8 @@
 #                and checkpoints go there, and a relaunch with the same RUN_DIR resumes (checkpoint.load=auto).
 #                Never derived from a clock: each node's would differ.
 #   LOCAL_ADDR   this node's address as the others reach it (default: its FQDN, torch's choice)
+#   MAX_RESTARTS times torchrun restarts every rank of the job after one dies (default 0): each restart
+#                resumes from the newest complete checkpoint in RUN_DIR
 #   PYTHON, DRY_RUN=1   as in launch/train.sh; NCCL/Megatron-Core environment in launch/common.sh
 # Nodes with several networks: set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the one they share.
 set -euo pipefail
@@ -38,15 +40,18 @@ if [ -z "$RUN_ID" ]; then
   RUN_ID="$(basename "$RUN_DIR")"
 fi
 RUN_DIR="${RUN_DIR:-outputs/run-$RUN_ID}"
-require_uint NNODES NODE_RANK MASTER_PORT NPROC
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+require_uint NNODES NODE_RANK MASTER_PORT NPROC MAX_RESTARTS
 [ "$NODE_RANK" -lt "$NNODES" ] || die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
 
 is_host=0
 [ "$NODE_RANK" = 0 ] && is_host=1
 # Only node 0 binds MASTER_PORT, so only there must it be free.
 check_config "$((NNODES * NPROC))" "$([ "$is_host" = 1 ] && echo "$MASTER_PORT")" "$@"
-cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC"
+cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS"
      --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_ID"
      --rdzv-conf "is_host=$is_host" ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"}
      train.py "hydra.run.dir=$RUN_DIR" "$@")
+RESUME_CMD="$(printf '%q ' "$0" "$@")"
+RESUME_CMD="${RESUME_CMD% } (with the same RUN_ID on every node)"
 run_or_print "${cmd[@]}"

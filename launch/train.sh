@@ -10,6 +10,8 @@
 #   NPROC        processes on this node (default: number of GPUs, or 2 without GPUs)
 #   RUN_DIR      run directory shared by all ranks (default: outputs/<date>/<time>)
 #   MASTER_PORT  rendezvous port (default: a free one)
+#   MAX_RESTARTS times torchrun restarts every rank after one dies (default 0); each restart resumes from the
+#                newest complete checkpoint (checkpoint.load=auto)
 #   PYTHON       interpreter (default: .venv/bin/python if present, else python3)
 #   DRY_RUN=1    print the exact command instead of running it
 #   (NCCL and Megatron-Core environment: launch/common.sh, each setting with its reason)
@@ -24,7 +26,13 @@ MASTER_PORT="${MASTER_PORT:-$(free_port)}"
 
 require_uint NPROC MASTER_PORT
 check_config "$NPROC" "$MASTER_PORT" "$@"
-cmd=("$PYTHON" -m torch.distributed.run --nnodes 1 --nproc-per-node "$NPROC"
-     --master-addr 127.0.0.1 --master-port "$MASTER_PORT"
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+require_uint MAX_RESTARTS
+# the c10d rendezvous (not torchrun's static one): each restart gets a fresh store, so restarted ranks
+# never read their predecessors' addresses
+cmd=("$PYTHON" -m torch.distributed.run --nnodes 1 --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS"
+     --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$MASTER_PORT"
      train.py "hydra.run.dir=$RUN_DIR" "$@")
+RESUME_CMD="$(printf '%q ' "$0" "$@")"
+RESUME_CMD="${RESUME_CMD% }"
 run_or_print "${cmd[@]}"

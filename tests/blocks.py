@@ -3,6 +3,9 @@ every test process): a user's block plugs in the same way, from its own file, wi
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 from models.extra_losses import attach
@@ -23,3 +26,24 @@ class PenalizedMLP(MLP):
     def forward(self, x: torch.Tensor):
         out, bias = super().forward(x)  # [s(/tp), b, h]
         return attach(out, out.float().pow(2).mean(), PENALTY, self.coeff), bias
+
+
+class FaultyMLP(MLP):
+    """models/mlp.py's MLP that injects one fault (tests/test_faults.py), configured by the environment:
+    on rank FAULT_RANK, at its FAULT_AT-th training forward (counted over its layers and micro-batches),
+    FAULT=nan makes the gradient flowing into this MLP's output NaN, FAULT=stall sleeps FAULT_SECONDS (a
+    hung rank). Without FAULT it is the MLP."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor):
+        out, bias = super().forward(x)
+        if os.environ.get("FAULT") and self.training and torch.is_grad_enabled() and \
+                os.environ.get("RANK") == os.environ.get("FAULT_RANK", "1"):
+            FaultyMLP.calls += 1
+            if FaultyMLP.calls == int(os.environ["FAULT_AT"]):
+                if os.environ["FAULT"] == "nan":
+                    out.register_hook(lambda grad: grad * float("nan"))
+                elif os.environ["FAULT"] == "stall":
+                    time.sleep(float(os.environ.get("FAULT_SECONDS", "600")))
+        return out, bias

@@ -236,6 +236,14 @@ def test_keep_prunes_old_checkpoints_and_latest_is_atomic(tmp_path):
     assert run["config"]["model"]["num_layers"] == 2 and run["layout"] == {"tp": 1, "pp": 1, "dp": 1}
 
 
+def test_save_interval_minutes_saves_on_the_clock(tmp_path):
+    # a clock interval shorter than a step: every iteration is due although save_interval is off
+    train(["train.iters=3", "train.save_interval=0", "train.save_interval_minutes=1e-6", "checkpoint.keep=0"], 1,
+          tmp_path)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*"))
+    assert names == ["iter_0000001", "iter_0000002", "iter_0000003"]
+
+
 def test_weights_only_checkpoint_loads_only_as_a_finetune(tmp_path):
     weights = tmp_path / "weights"
     (refused, loaded), = run_distributed(_load_each, 1, ([[f"checkpoint.load={weights}"],

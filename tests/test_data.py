@@ -250,8 +250,30 @@ def _written_by_another_tokenizer(prefix: Path):
     Path(f"{prefix}.json").write_text(json.dumps(meta))
 
 
+def _truncated_bin(prefix: Path):
+    data = Path(f"{prefix}.bin").read_bytes()
+    Path(f"{prefix}.bin").write_bytes(data[:-7])  # a copy cut short
+
+
+def _corrupt_idx(prefix: Path):
+    idx = Path(f"{prefix}.idx")
+    idx.write_bytes(b"not an index at all" + idx.read_bytes()[19:])
+
+
+def _ids_beyond_the_vocabulary(prefix: Path):
+    """Ids up to 300 (another tool's dataset, no PREFIX.json) for a model of the byte vocabulary (257)."""
+    class Wide:  # what write_indexed needs of a tokenizer
+        name, vocab_size, eod = "wide", 301, 300
+
+    write_indexed(prefix, [[5, 6, 299, 7], [8, 9]] * 5, Wide())
+    Path(f"{prefix}.json").unlink()
+
+
 @pytest.mark.parametrize("prefix, damage, split, expected", [
     ("nope", None, "95,5,0", ["no dataset at prefix", "preprocess_data.py"]),
+    ("c", _truncated_bin, "95,5,0", ["c.bin has", "bytes but", "c.idx describes", "truncated"]),
+    ("c", _corrupt_idx, "95,5,0", ["c.idx is not a readable Megatron-Core index", "corrupt"]),
+    ("c", _ids_beyond_the_vocabulary, "95,5,0", ["holds token id 300", "vocabulary (257 ids)"]),
     ("c", lambda c: Path(f"{c}.bin").write_bytes(b""), "95,5,0", ["c.bin is empty"]),
     ("c", lambda c: Path(f"{c}.idx").unlink(), "95,5,0", ["c.bin exists but", "c.idx is missing"]),
     ("c", _written_by_another_tokenizer, "95,5,0", ["vocab 50257", "byte (vocab 257"]),

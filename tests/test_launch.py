@@ -40,14 +40,16 @@ def dry_run(script: str, *args: str, **env: str) -> str:
 
 
 def test_dry_run_prints_each_command_with_the_overrides():
-    train = dry_run("train.sh", "parallel.tp=2", "train.iters=7", NPROC="2", MASTER_PORT=str(free_port()),
-                    RUN_DIR="/tmp/r")
-    assert "torch.distributed.run --nnodes 1 --nproc-per-node 2" in train
+    port = free_port()
+    train = dry_run("train.sh", "parallel.tp=2", "train.iters=7", NPROC="2", MASTER_PORT=str(port),
+                    RUN_DIR="/tmp/r", MAX_RESTARTS="2")
+    assert "torch.distributed.run --nnodes 1 --nproc-per-node 2 --max-restarts 2" in train
+    assert f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port}" in train  # a fresh store per restart
     assert train.endswith("train.py hydra.run.dir=/tmp/r parallel.tp=2 train.iters=7")
 
     multi = dry_run("multinode.sh", "parallel.tp=2", "model.name=a b", NNODES="2", NODE_RANK="1",
                     MASTER_ADDR="10.0.0.1", MASTER_PORT="29600", NPROC="2", RUN_ID="exp7")
-    assert "--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29600" in multi
+    assert "--nnodes 2 --nproc-per-node 2 --max-restarts 0 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29600" in multi
     assert "--rdzv-id exp7 --rdzv-conf is_host=0" in multi  # only node 0 hosts the rendezvous
     assert multi.endswith(r"hydra.run.dir=outputs/run-exp7 parallel.tp=2 model.name=a\ b")
 

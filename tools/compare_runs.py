@@ -23,7 +23,7 @@ from training.errors import ConfigError, exit_on_error  # noqa: E402
 PANELS = (("loss", "train loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens / s"))
 STANDARD = {"iteration", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_gb",
-            "step_ms", "consumed_samples", "skipped"}
+            "step_ms", "consumed_samples", "skipped", "restarts"}
 
 
 def read_run(path: str) -> list[dict]:

@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from models.shape import WEIGHTS, ModelShape
 from training.build import TrainState, unwrap
 from training.config import Config, ModelConfig, to_config
 from training.dist import print0
 from training.errors import TemplateError
+from training.safe_load import UnsafeCheckpoint, safe_unpickling
 from training.shims import upstream_fixes
 
 LATEST = "latest"
@@ -54,12 +56,6 @@ class Start:
 
 def iter_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
-
-
-def due(cfg: Config, iteration: int) -> bool:
-    """A periodic save (train.save_interval); the loop also saves once at the end and before exiting."""
-    interval = cfg.train.save_interval
-    return cfg.checkpoint.dir is not None and interval > 0 and iteration % interval == 0
 
 
 def is_complete(path: Path) -> bool:
@@ -147,21 +143,31 @@ def state_dict(cfg: Config, state: TrainState, is_loading: bool, with_rng: bool 
 
 
 def save(cfg: Config, state: TrainState, iteration: int, consumed_samples: int, run_dir: str | Path | None = None,
-         train_samples: int | None = None, model_only: bool = False) -> Path:
+         train_samples: int | None = None, model_only: bool = False) -> Path | None:
     """Save a checkpoint (every rank calls this); model_only: the weights alone (conversions), which
-    only checkpoint.finetune=true loads."""
+    only checkpoint.finetune=true loads. A save that fails on any rank (a full disk) is removed and never
+    becomes `latest`; checkpoint.on_save_error then stops the run (CheckpointError) or warns and returns
+    None (the next save tries again)."""
     root = Path(cfg.checkpoint.dir)
     path = iter_dir(root, iteration)
     rank0 = dist.get_rank() == 0
-    if rank0:
-        if path.exists():  # an earlier, interrupted save of this iteration (never the latest)
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-    dist.barrier()
-    sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only)
-    sharded["iteration"], sharded["consumed_samples"] = iteration, consumed_samples
-    dist_checkpointing.save(sharded, str(path), verify_integrity=True)
-    dist.barrier()  # every rank's shards are on disk
+    failure = None
+    try:
+        if rank0:
+            if path.exists():  # an earlier, interrupted save of this iteration (never the latest)
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        dist.barrier()
+        sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only)
+        sharded["iteration"], sharded["consumed_samples"] = iteration, consumed_samples
+        dist_checkpointing.save(sharded, str(path), verify_integrity=True)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - OSError (ENOSPC, EIO) or DCP's wrapper
+        failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    failed = torch.tensor([float(failure is not None)])
+    dist.all_reduce(failed)  # every rank's shards are on disk, or everyone knows they are not
+    if failed.item():
+        _save_failed(cfg, root, path, failure, int(failed.item()))
+        return None
     if rank0:
         from omegaconf import OmegaConf
 
@@ -176,6 +182,19 @@ def save(cfg: Config, state: TrainState, iteration: int, consumed_samples: int, 
     dist.barrier()
     print0(f"saved checkpoint {path} (iteration {iteration}, {consumed_samples} samples consumed)")
     return path
+
+
+def _save_failed(cfg: Config, root: Path, path: Path, failure: str | None, ranks: int) -> None:
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # never complete, never latest; remove the partial files
+    latest = root / LATEST
+    kept = latest.read_text().strip() if latest.is_file() else "none yet"
+    message = (f"saving checkpoint {path} failed on {ranks} rank(s) ({failure or 'on another rank'}); latest "
+               f"stays {kept}")
+    dist.barrier()
+    if cfg.checkpoint.on_save_error == "stop":
+        raise CheckpointError(f"{message}: stopping (checkpoint.on_save_error=stop; =warn trains on)")
+    print0(f"warning: {message}: training on (checkpoint.on_save_error=warn)")
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -237,6 +256,19 @@ def check_compatible(run: dict, shape: ModelShape) -> None:
         raise CheckpointError("the model in the config does not match the checkpoint's: " + "; ".join(differ))
 
 
+def _chain(err: BaseException, seen: set | None = None):
+    """err and its causes, also the per-rank failures DCP's CheckpointException wraps."""
+    seen = set() if seen is None else seen
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        for failure in getattr(err, "failures", {}).values():  # rank -> (exception, its stack)
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, BaseException):
+                yield from _chain(failure, seen)
+        err = err.__cause__ or err.__context__
+
+
 def saved_model_config(run: dict) -> ModelConfig:
     """A checkpoint's model config (run.json) on today's schema: fields added since take their defaults;
     fused_kernels, a run setting that was a string (auto/on/off) before it became a bool, is left out."""
@@ -280,10 +312,13 @@ def maybe_load(cfg: Config, state: TrainState, announce=print0) -> Start:
     if not weights_only:
         template["iteration"], template["consumed_samples"] = 0, 0
     try:
-        loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
-    except Exception as err:  # noqa: BLE001 - any failure here means the files are not usable
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}") from err
+        with safe_unpickling():  # a checkpoint from elsewhere runs no code here (training/safe_load.py)
+            loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - the files are not usable (DCP's exception
+        # for a failure on some rank derives from BaseException, not Exception)
+        cause = next((e for e in _chain(err) if isinstance(e, UnsafeCheckpoint)), err)
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(cause).__name__}: "
+                              f"{str(cause).splitlines()[0] if str(cause) else ''}") from err
     for key, chunk in zip(model_keys(state), state.model):
         chunk.load_state_dict(loaded[key], strict=True)
     if weights_only:

@@ -54,6 +54,11 @@ class Precision(StrEnum):
     bf16 = "bf16"  # bf16 params/activations, fp32 main params and grads
 
 
+class OnSaveError(StrEnum):
+    stop = "stop"  # a failed save ends the run (with an error naming it); the last checkpoint stays latest
+    warn = "warn"  # say so and train on; the next save tries again
+
+
 class NanPolicy(StrEnum):
     stop = "stop"
     skip = "skip"
@@ -156,9 +161,12 @@ class TrainConfig:
     eval_interval: int = 100  # iterations between validation runs; 0 disables
     eval_iters: int = 2  # validation global batches per evaluation
     save_interval: int = 0  # iterations between checkpoints; 0 = only at the end (when checkpoint.dir)
+    save_interval_minutes: float = 0.0  # also save once this much wall-clock time passed since the last; 0 = off
     exit_interval: int = 0  # stop (after saving) at an iteration multiple of this; 0 = never
     exit_duration_minutes: float = 0.0  # stop (after saving) after this wall-clock time; 0 = never
-    nan_policy: NanPolicy = NanPolicy.stop  # stop | skip: what a NaN/Inf loss does (checked before the optimizer step)
+    nan_policy: NanPolicy = NanPolicy.stop  # stop | skip: what a NaN/Inf loss or gradient does (before the update)
+    watchdog_factor: float = 10.0  # a step this many times the recent median is a hang (training/watchdog.py); 0 = off
+    watchdog_min_seconds: float = 300.0  # ... but a step may always take this long (compiles, saves, slow disks)
     profile: bool = False  # torch.profiler trace of iterations [profile_start, profile_end)
     profile_start: int = 5  # first profiled iteration (after warm-up)
     profile_end: int = 7  # first iteration after the profiled window
@@ -173,6 +181,7 @@ class CheckpointConfig:
     load: Optional[str] = "auto"  # auto (resume from dir's latest if any) | null (fresh) | a path
     keep: int = 3  # newest checkpoints kept; older ones are deleted after a successful save; 0 = all
     finetune: bool = False  # start from checkpoint.load's weights only: fresh optimizer, schedule, data, iteration 0
+    on_save_error: OnSaveError = OnSaveError.stop  # stop | warn: a save that fails (disk full) never becomes latest
 
 
 @dataclass
@@ -202,7 +211,7 @@ def to_config(cfg: Any) -> Config:
     return OmegaConf.to_object(merged)
 
 
-__all__ = ["Activation", "DecayStyle", "Dispatcher", "MoEConfig", "NanPolicy", "ScoreFunction", "Normalization",
+__all__ = ["Activation", "DecayStyle", "Dispatcher", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction", "Normalization",
            "PositionEmbedding", "Precision",
            "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "register", "to_config"]

@@ -101,11 +101,12 @@ def prepare_embedded(cfg: Config, tokenizer) -> Path:
     return prefix
 
 
-def check_prefix(prefix: str, tokenizer) -> None:
-    """A clear error for a missing / partial / empty dataset or one written with another tokenizer.
+def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None) -> None:
+    """A clear error, naming the file, for a missing / partial / empty / truncated / corrupt dataset, one
+    written with another tokenizer, or one whose token ids reach the model's vocabulary (vocab_size).
 
-    The tokenizer check needs PREFIX.json (written by tools/preprocess_data.py); datasets made by other
-    tools have none and are trusted."""
+    The tokenizer check needs PREFIX.json (written by tools/preprocess_data.py); for datasets made by other
+    tools, which have none, the token ids are scanned instead (a read of the whole .bin)."""
     bin_file, idx_file, meta_file = (Path(f"{prefix}{s}") for s in (".bin", ".idx", ".json"))
     if not bin_file.exists() and not idx_file.exists():
         raise ConfigError(f"data.paths: no dataset at prefix {prefix} (expected {bin_file} and {idx_file}; "
@@ -117,7 +118,16 @@ def check_prefix(prefix: str, tokenizer) -> None:
     for file in (bin_file, idx_file):
         if file.stat().st_size == 0:
             raise ConfigError(f"data.paths: {file} is empty: re-run tools/preprocess_data.py")
+    index = _read_index(idx_file)
+    expected = (int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+                if index.sequence_count else 0)
+    if bin_file.stat().st_size != expected:
+        raise ConfigError(f"data.paths: {bin_file} has {bin_file.stat().st_size} bytes but {idx_file} describes "
+                          f"{expected} ({index.sequence_count} sequences): a truncated or mismatched file; re-run "
+                          f"tools/preprocess_data.py")
     if not meta_file.exists():
+        if vocab_size is not None:
+            _check_token_ids(bin_file, index.dtype, vocab_size)
         return
     try:
         meta = json.loads(meta_file.read_text())
@@ -129,6 +139,29 @@ def check_prefix(prefix: str, tokenizer) -> None:
             f"data.paths: {prefix} was written with tokenizer {written[0]} (vocab {written[1]}, eod "
             f"{written[2]}) but data.tokenizer is {tokenizer.name} (vocab {tokenizer.vocab_size}, eod "
             f"{tokenizer.eod}): re-run tools/preprocess_data.py with the same tokenizer")
+
+
+def _read_index(idx_file: Path):
+    """Megatron-Core's reader of PREFIX.idx, or a one-line error naming the file."""
+    import logging
+
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
+    try:
+        return _IndexReader(str(idx_file), multimodal=False)
+    except Exception as err:  # noqa: BLE001 - a bad header (AssertionError), short reads (struct / ValueError)
+        reason = (str(err) or type(err).__name__).splitlines()[0]
+        raise ConfigError(f"data.paths: {idx_file} is not a readable Megatron-Core index ({reason}): a corrupt "
+                          f"file; re-run tools/preprocess_data.py") from err
+
+
+def _check_token_ids(bin_file: Path, dtype, vocab_size: int, chunk: int = 1 << 26) -> None:
+    ids = np.memmap(bin_file, dtype=dtype, mode="r")
+    largest = max((int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk)), default=-1)
+    if largest >= vocab_size:
+        raise ConfigError(f"data.paths: {bin_file} holds token id {largest}, beyond the model's vocabulary "
+                          f"({vocab_size} ids): preprocess it with the model's tokenizer, or raise model.vocab_size")
 
 
 def resolve_vocab_size(cfg: Config, tokenizer) -> int:
@@ -143,8 +176,9 @@ def resolve_vocab_size(cfg: Config, tokenizer) -> int:
 def dataset_prefixes(cfg: Config, tokenizer) -> list[str]:
     """data.paths, or the embedded corpus (prepared by rank 0 while the other ranks wait)."""
     if cfg.data.paths:
+        vocab_size = resolve_vocab_size(cfg, tokenizer)
         for prefix in cfg.data.paths:
-            check_prefix(prefix, tokenizer)
+            check_prefix(prefix, tokenizer, vocab_size)
         return list(cfg.data.paths)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if rank0:

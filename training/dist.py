@@ -89,6 +89,19 @@ def set_seeds(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT, its keys prefixed with torchrun's restart count.
+
+    After a restart (launch/train.sh MAX_RESTARTS) torchrun hands the new ranks the same store; without the
+    prefix a rank can read a dead predecessor's gloo / NCCL address and wait on it (measured: gloo's
+    connectFullMesh "Connection refused" on a restart, with torchrun's static and standalone rendezvous
+    alike). Under torchrun the elastic agent serves the store; otherwise rank 0 does."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT"), world_size,
+                          is_master=rank == 0 and not agent, timeout=timeout, multi_tenant=not agent)
+    return dist.PrefixStore(f"/template/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
          timeout_minutes: float = 10.0, ep: int = 1, etp: int = 1) -> DistInfo:
     """Start torch.distributed from torchrun's environment and Megatron-Core's model-parallel groups."""
@@ -102,7 +115,8 @@ def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+        dist.init_process_group(backend, store=attempt_store(rank, world_size, timeout), rank=rank,
+                                world_size=world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,

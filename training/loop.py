@@ -8,6 +8,7 @@ extra losses, lr, grad norm, throughput, memory) goes to the console, metrics.js
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -22,10 +23,11 @@ from training.errors import ConfigError
 from training.metrics import RESERVED_KEYS, MetricsLogger, memory_gb, peak_tflops
 from training.profiling import Profiler
 from training.step import evaluate, train_step
-from training.stopping import Stopper
+from training.stopping import SaveClock, Stopper
 from training.tokenizer import build_tokenizer
 from training.tools.preflight import preflight
 from training.validate import Derived
+from training.watchdog import Watchdog
 
 
 def train_dataset_size(cfg: Config, start: checkpoint.Start) -> int:
@@ -73,12 +75,18 @@ def run(cfg: Config, derived: Derived, run_dir: str | Path) -> dict:
         if iteration >= cfg.train.iters:
             D.print0(f"nothing to train: the checkpoint is at iteration {iteration} >= train.iters="
                      f"{cfg.train.iters} (raise train.iters to continue)")
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's, after a rank died
+        if restarts:
+            D.print0(f"restart {restarts} (launch MAX_RESTARTS): resumed at iteration {iteration}")
         logger = MetricsLogger(run_dir, cfg.train.iters, D.is_rank0(), cfg.train.tensorboard)
         profiler = Profiler(cfg, run_dir, D.is_rank0())
+        save_clock = SaveClock(cfg)  # train.save_interval / save_interval_minutes (the end and a stop save too)
+        watchdog = Watchdog.of(cfg)  # a rank stalled in a step, an evaluation or a save: named, then exit 3
         window_start, window_steps, skipped, last = time.perf_counter(), 0, 0, {}
         while iteration < cfg.train.iters:
             profiler.step(iteration)
-            result = train_step(state, train_data, derived, cfg, info.device)
+            with watchdog.phase("step", iteration + 1):
+                result = train_step(state, train_data, derived, cfg, info.device)
             iteration += 1
             consumed += g
             skipped += result.skipped
@@ -91,21 +99,27 @@ def run(cfg: Config, derived: Derived, run_dir: str | Path) -> dict:
                             tokens_per_s=derived.tokens_per_step * window_steps / elapsed,
                             tflops_per_gpu=tflops, mfu=None if peak is None else tflops / peak,
                             mem_gb=memory_gb(info.device), step_ms=1000 * elapsed / window_steps,
-                            consumed_samples=consumed, skipped=skipped)
+                            consumed_samples=consumed, skipped=skipped, restarts=restarts)
                 logger.log(last)
                 window_start, window_steps = time.perf_counter(), 0
             if cfg.train.eval_interval and iteration % cfg.train.eval_interval == 0:
-                logger.log(dict(iteration=iteration, val_loss=evaluate(state, valid_data, derived, cfg, info.device)))
+                with watchdog.phase("evaluation", iteration):
+                    val_loss = evaluate(state, valid_data, derived, cfg, info.device)
+                logger.log(dict(iteration=iteration, val_loss=val_loss))
                 window_start = time.perf_counter()
-            if checkpoint.due(cfg, iteration):
-                checkpoint.save(cfg, state, iteration, consumed, run_dir, train_samples)
-                saved_at = iteration
+            if save_clock.due(iteration):
+                with watchdog.phase("save", iteration):
+                    if checkpoint.save(cfg, state, iteration, consumed, run_dir, train_samples) is not None:
+                        saved_at = iteration
+                        save_clock.saved()
                 window_start = time.perf_counter()
             if stopper.should_stop(iteration):
                 D.print0(f"stopping at iteration {iteration}: {stopper.reason}")
                 break
         if cfg.checkpoint.dir is not None and saved_at != iteration:  # the end, or an early stop
-            checkpoint.save(cfg, state, iteration, consumed, run_dir, train_samples)
+            with watchdog.phase("save", iteration):
+                checkpoint.save(cfg, state, iteration, consumed, run_dir, train_samples)
+        watchdog.close()
         profiler.close()
         logger.close()
         return last

@@ -43,7 +43,7 @@ def memory_gb(device: torch.device) -> float:
 # The keys of a training record; any other numeric key is a named extra loss (models/extra_losses.py),
 # printed after the loss.
 RESERVED_KEYS = frozenset({"iteration", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu",
-                           "mfu", "mem_gb", "step_ms", "consumed_samples", "skipped"})
+                           "mfu", "mem_gb", "step_ms", "consumed_samples", "skipped", "restarts"})
 
 
 def format_line(record: dict, total_iters: int) -> str:

@@ -6,7 +6,10 @@ A step: zero the gradient buffers -> Megatron-Core's pipeline schedule (`get_for
 pipelining, 1F1B, or interleaved 1F1B) runs forward and backward over this DP rank's micro-batches and
 calls `finalize_model_grads` (DP reduction, SP norm grads, tied-embedding grads, division by the global
 batch's token count) -> the LM loss reduced to the global-batch token mean and the extra losses to
-theirs -> the NaN/Inf check -> `optimizer.step()` (clipping inside) -> the scheduler step.
+theirs -> the NaN/Inf checks of the loss and of every rank's gradients (bf16 has no loss scaler to catch a
+non-finite gradient, and clipping would spread it into every weight) -> `optimizer.step()` (clipping
+inside) -> the scheduler step. A non-finite step stops the run or is skipped on every rank alike
+(train.nan_policy): the weights and the optimizer state never take it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from models.spec import extra_stats
@@ -59,6 +63,17 @@ def run_schedule(state: TrainState, streams, derived: Derived, cfg: Config, forw
         micro_batch_size=cfg.train.micro_batch_size, forward_only=forward_only)
 
 
+def nonfinite_grad_ranks(state: TrainState, device: torch.device) -> list[int]:
+    """The ranks whose gradient buffers (dense and expert, as finalize_model_grads left them) hold a NaN or
+    Inf; one all-reduce, the same answer on every rank."""
+    bad = torch.zeros(dist.get_world_size(), device=device)
+    for chunk in state.model:
+        for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers):
+            bad[dist.get_rank()] += (~torch.isfinite(buffer.grad_data)).any()
+    dist.all_reduce(bad)
+    return bad.nonzero().flatten().tolist()
+
+
 def train_step(state: TrainState, streams, derived: Derived, cfg: Config, device: torch.device,
                step=forward_step) -> StepResult:
     for chunk in state.model:
@@ -67,11 +82,15 @@ def train_step(state: TrainState, streams, derived: Derived, cfg: Config, device
     reports = run_schedule(state, streams, derived, cfg, forward_only=False, step=step)
     loss = global_loss(reports, device).item()
     extra = extra_losses(extra_stats(state.shape), device)
-    if not math.isfinite(loss):
+    problem = f"loss is {loss}" if not math.isfinite(loss) else None
+    if problem is None and (ranks := nonfinite_grad_ranks(state, device)):
+        problem = f"the gradients are not finite (NaN/Inf) on rank{'s' if len(ranks) > 1 else ''} " \
+                  f"{', '.join(map(str, ranks))} (loss {loss:.4f})"
+    if problem is not None:
         if cfg.train.nan_policy == NanPolicy.stop:
-            raise NonFiniteLoss(f"loss is {loss} at this step: stopping (train.nan_policy=stop); the last "
-                                f"checkpoint is intact. Lower optim.lr or set train.nan_policy=skip")
-        return StepResult(loss, None, True, extra)  # skip: no update, gradients are zeroed next step
+            raise NonFiniteLoss(f"{problem} at this step: stopping (train.nan_policy=stop) before the update; the "
+                                f"last checkpoint is intact. Lower optim.lr or set train.nan_policy=skip")
+        return StepResult(loss, None, True, extra)  # skip: no update anywhere, gradients are zeroed next step
     _, grad_norm, _ = state.optimizer.step()
     state.scheduler.step(increment=1)
     return StepResult(loss, None if grad_norm is None else float(grad_norm), False, extra)

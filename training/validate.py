@@ -119,15 +119,20 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     need(0 <= o.warmup_iters, f"optim.warmup_iters={o.warmup_iters} must be >= 0")
     need(o.decay_iters is None or o.decay_iters >= 1, f"optim.decay_iters={o.decay_iters} must be >= 1")
     need(o.clip_grad >= 0, f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
-    need(t.eval_interval >= 0 and t.save_interval >= 0 and t.exit_interval >= 0,
-         "train.eval_interval, train.save_interval and train.exit_interval must be >= 0")
+    need(min(t.eval_interval, t.save_interval, t.exit_interval, t.save_interval_minutes) >= 0,
+         "train.eval_interval, save_interval, save_interval_minutes and exit_interval must be >= 0")
     need(t.eval_interval == 0 or t.eval_iters >= 1,
          f"train.eval_iters={t.eval_iters} must be >= 1 when train.eval_interval > 0")
     need(not t.profile or 0 <= t.profile_start < t.profile_end,
          f"train.profile_start={t.profile_start} must be < train.profile_end={t.profile_end}")
     need(0.0 < t.max_memory_fraction, f"train.max_memory_fraction={t.max_memory_fraction} must be > 0")
-    need(cfg.checkpoint.dir is not None or not (t.save_interval or t.exit_interval or t.exit_duration_minutes),
-         "train.save_interval / exit_interval / exit_duration_minutes save checkpoints: set checkpoint.dir")
+    need(t.watchdog_factor >= 0 and t.watchdog_min_seconds >= 0,
+         f"train.watchdog_factor={t.watchdog_factor} and train.watchdog_min_seconds={t.watchdog_min_seconds} must be "
+         f">= 0 (factor 0: no watchdog)")
+    need(cfg.checkpoint.dir is not None or not (t.save_interval or t.save_interval_minutes or t.exit_interval
+                                                or t.exit_duration_minutes),
+         "train.save_interval / save_interval_minutes / exit_interval / exit_duration_minutes save checkpoints: "
+         "set checkpoint.dir")
     need(len(cfg.data.weights or []) in (0, len(cfg.data.paths)),
          f"data.weights has {len(cfg.data.weights or [])} entries but data.paths has {len(cfg.data.paths)}")
     need(not cfg.data.weights or all(w >= 0 for w in cfg.data.weights) and sum(cfg.data.weights) > 0,

@@ -59,7 +59,8 @@ def environment(device: torch.device) -> dict:
         "gpus_visible": gpus, "local_world_size": local_world,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "env": {k: os.environ[k] for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_DEBUG", "OMP_NUM_THREADS",
-                                           "TORCH_NCCL_ASYNC_ERROR_HANDLING", "SLURM_JOB_ID") if k in os.environ},
+                                           "TORCH_NCCL_ASYNC_ERROR_HANDLING", "SLURM_JOB_ID",
+                                           "TORCHELASTIC_RESTART_COUNT") if k in os.environ},
         "warnings": [],
     }
     if cuda and gpus != local_world:

@@ -1,0 +1,81 @@
+"""A hang watchdog: a thread on every rank that notices a step running far past its recent median (or any
+phase past the collective timeout), says which rank, step and phase, dumps the rank's Python stacks and
+exits the process non-zero.
+
+    watchdog = Watchdog.of(cfg)
+    with watchdog.phase("step", iteration + 1):
+        train_step(...)
+
+A stalled rank trips its own watchdog; its peers, waiting for it inside a collective, trip theirs, so every
+rank exits (code 3) and the launcher reports the failure (and restarts the job with MAX_RESTARTS). The
+limit of a step is max(train.watchdog_factor x the median of the last 20 steps, train.watchdog_min_seconds)
+once 3 steps are done; before that, and for evaluation and saving, parallel.timeout_minutes. GPUs: NCCL's
+own watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, launch/common.sh) aborts a collective past that timeout too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+
+EXIT_CODE = 3
+
+
+class Watchdog:
+    def __init__(self, factor: float, min_seconds: float, timeout_seconds: float, rank: int, poll: float = 0.5):
+        self.factor, self.min_seconds, self.timeout, self.rank = factor, min_seconds, timeout_seconds, rank
+        self.steps: deque[float] = deque(maxlen=20)
+        self.current: tuple[str, int, float] | None = None  # (phase, step, started)
+        self._stop = threading.Event()
+        self._thread = None
+        if factor > 0:
+            self._thread = threading.Thread(target=self._watch, args=(poll,), name="watchdog", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def of(cls, cfg) -> Watchdog:
+        import torch.distributed as dist
+
+        return cls(cfg.train.watchdog_factor, cfg.train.watchdog_min_seconds, cfg.parallel.timeout_minutes * 60,
+                   dist.get_rank() if dist.is_initialized() else 0)
+
+    def limit(self, phase: str) -> float:
+        if phase != "step" or len(self.steps) < 3:
+            return self.timeout
+        return min(self.timeout, max(self.factor * statistics.median(self.steps), self.min_seconds))
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int):
+        self.current = (name, step, time.monotonic())
+        try:
+            yield
+        finally:
+            if name == "step":
+                self.steps.append(time.monotonic() - self.current[2])
+            self.current = None
+
+    def _watch(self, poll: float) -> None:
+        while not self._stop.wait(poll):
+            current = self.current
+            if current is None:
+                continue
+            name, step, started = current
+            elapsed, limit = time.monotonic() - started, self.limit(name)
+            if elapsed > limit:
+                median = f"{statistics.median(self.steps):.2f} s" if self.steps else "none yet"
+                print(f"watchdog: rank {self.rank} stalled in the {name} of step {step}: {elapsed:.1f} s, over its "
+                      f"limit of {limit:.1f} s (median step {median}; train.watchdog_factor={self.factor:g}, "
+                      f"train.watchdog_min_seconds={self.min_seconds:g}); its Python stacks:", file=sys.stderr,
+                      flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(EXIT_CODE)  # a hung collective never returns: leave without cleanup
+
+    def close(self) -> None:
+        self._stop.set()
