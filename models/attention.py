@@ -1,4 +1,5 @@
 """Causal self-attention: fused QKV ColumnParallelLinear -> RoPE -> SDPA -> RowParallelLinear.
+(Context parallel, parallel.cp > 1: the SDPA core gathers K and V over the CP group, models/context_parallel.py.)
 
 Heads are split across TP ranks. With grouped-query attention (`num_query_groups` = ng < np heads) the
 fused QKV weight is laid out per query group, as in Megatron-Core:
@@ -81,7 +82,8 @@ class SelfAttention(MegatronModule):
             config.hidden_size, qkv_size, config=config, init_method=config.init_method,
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
         )
-        self.core_attention = CoreAttention(config)
+        self.core_attention = CoreAttention(config) if config.context_parallel_size == 1 else \
+            _context_parallel_core(config)  # parallel.cp > 1: K/V all-gathered over the CP group
         self.selective_recompute = config.recompute_granularity == "selective"
         self.linear_proj = tensor_parallel.RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
@@ -157,6 +159,12 @@ class SelfAttention(MegatronModule):
             out[f"q_proj.{kind}"], out[f"k_proj.{kind}"], out[f"v_proj.{kind}"] = (t.flatten(0, 1) for t in (q, k, v))
             out[f"o_proj.{kind}"] = get(f"linear_proj.{kind}")
         return out
+
+
+def _context_parallel_core(config: TransformerConfig) -> CoreAttention:
+    from models.context_parallel import AllGatherKVAttention  # it builds on CoreAttention, defined above
+
+    return AllGatherKVAttention(config)
 
 
 def _hf_kinds(config: TransformerConfig) -> tuple[str, ...]:

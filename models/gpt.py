@@ -72,11 +72,13 @@ class GPT(LanguageModule):
         self.input_tensor = input_tensor
 
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None):
+                cache: KVCache | None = None, position_ids: torch.Tensor | None = None):
         """input_ids (first stage only), labels [b, s]. Returns per-token loss [b, s] (with labels), else logits
         [b, s, V_padded/tp] on the last stage, else this stage's activations [s(/tp), b, h]. cache: generation
-        (models/kv_cache.py): the new tokens take their positions from it and attend to what it holds."""
-        positions = None if cache is None else cache.positions(
+        (models/kv_cache.py): the new tokens take their positions from it and attend to what it holds.
+        position_ids [b, s]: the tokens' positions when they are not 0..s-1 (context parallel: this rank's
+        zigzag share, s = seq/cp; learned positions read them, RoPE slices its own table the same way)."""
+        positions = position_ids if cache is None else cache.positions(
             input_ids.shape[1] if self.pre_process else self.input_tensor.shape[0])  # [b, s]
         x = self.embedding(input_ids, positions) if self.pre_process else self.input_tensor  # [s(/tp), b, h]
         freqs = None
@@ -85,7 +87,8 @@ class GPT(LanguageModule):
             freqs = table[positions.t()].unsqueeze(2)  # [s, b, 1, hn]
         elif self.rotary_pos_emb is not None:
             sp_factor = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-            freqs = self.rotary_pos_emb(x.shape[0] * sp_factor)  # [s, 1, 1, hn]
+            # the full length's table; under CP Megatron-Core's RotaryEmbedding keeps this rank's zigzag rows
+            freqs = self.rotary_pos_emb(x.shape[0] * sp_factor * self.config.context_parallel_size)  # [s/cp, 1, 1, hn]
         x = self.decoder(x, freqs, cache)
         if cache is not None:
             cache.advance(x.shape[0])

@@ -173,8 +173,12 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
         if want_logits and p.pp == 1:
             gpt = unwrap(state.model[0])
             gpt.eval()
+            from training.context_parallel import gather_sequence, split_batch
+
+            mine = split_batch({"tokens": torch.stack([s["tokens"] for s in batch])})  # CP: [b, s/cp]
             with torch.no_grad():
-                logits = gpt(torch.stack([s["tokens"] for s in batch]))  # [b, s, V_padded/tp]
+                logits = gpt(mine["tokens"], position_ids=mine.get("position_ids"))  # [b, s/cp, V_padded/tp]
+                logits = gather_sequence(logits, dim=1)  # [b, s, V_padded/tp]
             out["logits"] = (ps.get_tensor_model_parallel_rank(), p.tp, 2, 1, logits.float())
         return out
     finally:

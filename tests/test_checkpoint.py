@@ -233,7 +233,7 @@ def test_keep_prunes_old_checkpoints_and_latest_is_atomic(tmp_path):
     run = json.loads((ckpts / "iter_0000006" / "run.json").read_text())
     assert run["iteration"] == 6 and run["consumed_samples"] == 6 * 8
     assert run["versions"]["megatron-core"] == "0.19.2" and run["versions"]["torch"] == torch.__version__
-    assert run["config"]["model"]["num_layers"] == 2 and run["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+    assert run["config"]["model"]["num_layers"] == 2 and run["layout"] == {"tp": 1, "pp": 1, "dp": 1, "cp": 1}
 
 
 def test_save_interval_minutes_saves_on_the_clock(tmp_path):

@@ -32,8 +32,15 @@ def _patch_scope():
     import megatron.core.utils as mcore_utils
     from megatron.core.tensor_parallel import random as mcore_random
 
+    from megatron.core.models.common.embeddings import rope_utils
+
+    class Rank1Of2:  # a context-parallel group as get_pos_emb_on_this_cp_rank reads it
+        size, rank = (lambda self: 2), (lambda self: 1)
+
     here = torch.zeros(2)
     result = {
+        # pins its index tensor (pin_memory=True needs CUDA) and moves it with .cuda()
+        "cp_rope_slice": rope_utils.get_pos_emb_on_this_cp_rank(torch.arange(8.0), 0, Rank1Of2()).tolist(),
         "torch_cuda_current_device_is_untouched": torch.cuda.current_device is not mcore_utils.torch.cuda.current_device,
         "mcore_sees_cpu": mcore_utils.torch.cuda.current_device() == torch.device("cpu"),
         "mcore_factory_maps_cuda": mcore_utils.torch.zeros(1, device="cuda").device.type,
@@ -59,6 +66,7 @@ def test_patches_are_scoped_to_megatron_core():
     assert result["torch_cuda_current_device_is_untouched"]
     assert result["mcore_sees_cpu"]
     assert result["mcore_factory_maps_cuda"] == "cpu"
+    assert result["cp_rope_slice"] == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4: rank 1's zigzag share
     assert result["type_outside_mcore"] == "torch.FloatTensor"
     assert result["type_inside_mcore_optimizer"] == "torch.cuda.FloatTensor"
     assert result["cuda_outside_mcore"] != "no error"

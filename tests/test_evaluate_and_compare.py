@@ -40,7 +40,7 @@ def test_evaluate_equals_the_logged_val_loss_at_any_layout(trained, tmp_path):
     assert same["loss"] == pytest.approx(logged, rel=1e-9) and same["batches"] == 2
     assert same["tokens"] == 2 * 8 * 64  # eval_iters x global batch x seq_length (tests/runs.py QUICK)
     tp2 = evaluate("--ckpt", str(run_dir / "checkpoints"), "--nproc", "2", "parallel.tp=2")
-    assert tp2["loss"] == pytest.approx(logged, rel=1e-5) and tp2["layout"] == "tp 2 pp 1 dp 1"
+    assert tp2["loss"] == pytest.approx(logged, rel=1e-5) and tp2["layout"] == "tp 2 pp 1 cp 1 dp 1"
 
     text = tmp_path / "notes.txt"
     text.write_text("The import statement combines two operations.\n\nIt searches for the named module.\n")
@@ -48,6 +48,9 @@ def test_evaluate_equals_the_logged_val_loss_at_any_layout(trained, tmp_path):
     lines = [line for line in text.read_text().splitlines() if line.strip()]
     assert on_text["tokens"] == sum(len(line.encode()) + 1 for line in lines) - 1  # each token predicted once
     assert 0 < on_text["loss"] < 10
+    cp2 = evaluate("--ckpt", str(run_dir / "checkpoints"), "--text", str(text), "--nproc", "2", "parallel.cp=2")
+    assert cp2["layout"] == "tp 1 pp 1 cp 2 dp 1" and cp2["tokens"] == on_text["tokens"]
+    assert cp2["loss"] == pytest.approx(on_text["loss"], rel=1e-5)
 
 
 def test_compare_runs_draws_and_asserts(trained, tmp_path):

@@ -91,4 +91,6 @@ def test_world_size_not_divisible_is_one_line():
 
     with pytest.raises(LaunchError) as err:
         check_world_size(6, tp=4, pp=1)
-    assert "\n" not in str(err.value) and "world size 6" in str(err.value) and "4 * 1 = 4" in str(err.value)
+    assert "\n" not in str(err.value) and "world size 6" in str(err.value) and "4 * 1 * 1 = 4" in str(err.value)
+    with pytest.raises(LaunchError, match=r"tp \* pp \* cp = 1 \* 1 \* 4 = 4"):
+        check_world_size(6, tp=1, pp=1, cp=4)

@@ -94,6 +94,14 @@ def test_llama2_7b_tp2_pp2_by_hand():
     # interleaved (vpp=2): (1 + (pp-1)/(pp*vpp)) = 1.25 times the 32 layer-micro-batches
     vpp2 = estimate(cfg, shape, Layout(2, 2, 2, 2, True, True, "none"), 4)
     assert vpp2.activations == 32 * 1.25 * per_layer
+    # context parallel 2 at dp 1: every sequence-long tensor halves, and the K and V each layer gathers come
+    # back at full length, 2 bytes * s*b*(4096 + 4096) / tp 2 = 33,554,432; the stage keeps one [s/2, s]
+    # boolean mask; the distributed optimizer shards over dp x cp = 2
+    cp2 = Layout(2, 2, None, 1, True, True, "none", cp=2)
+    assert layer_activations(cfg, shape, cp2, True) == per_layer / 2 + 33_554_432 == 207_618_048
+    est_cp2 = estimate(cfg, shape, cp2, num_microbatches=8)  # m = 8 / (1 * 1)
+    assert est_cp2.stage == 0 and est_cp2.weights_and_optimizer == (6 + 12 / 2) * first
+    assert est_cp2.activations == 2 * 16 * 207_618_048 + 2_048 * 4_096
 
 
 def test_plan_cli_json_lists_layouts_and_recommends_one_that_fits():
@@ -105,7 +113,7 @@ def test_plan_cli_json_lists_layouts_and_recommends_one_that_fits():
     assert isinstance(rows, list) and rows
     for row in rows:
         assert {"tp", "pp", "vpp", "dp", "sp", "dist_opt", "recompute", "fits", "mem_gb"} <= row.keys()
-        assert row["tp"] * row["pp"] * row["dp"] == 8
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == 8
         mem = row["mem_gb"]
         assert abs(mem["weights_and_optimizer"] + mem["activations"] - mem["total"]) < 2e-3
     assert any(row["fits"] for row in rows)
@@ -191,9 +199,26 @@ def test_plan_lists_expert_parallel_layouts_for_mixtral():
     assert {row["ep"] for row in rows} == {1, 2, 4, 8}  # every divisor of the 8 experts that tiles the world
     assert all(row["params_total"] == 46_702_792_704 for row in rows)  # Mixtral-8x7B's published count
     assert all(row["tp"] * row["pp"] * row["dp"] == 16 and (row["tp"] * row["dp"]) % row["ep"] == 0 for row in rows)
+    assert {row["cp"] for row in rows} == {1}  # context parallelism is not offered with experts
     fits = [row for row in rows if row["fits"]]
     assert fits and rows[0]["recommended"]
     # more expert parallelism, fewer experts per GPU: less weight memory at the same tp / pp / dp / optimizer
     by_ep = {row["ep"]: row["mem_gb"]["weights_and_optimizer"] for row in rows
              if (row["tp"], row["pp"], row["vpp"], row["dist_opt"], row["recompute"]) == (1, 2, None, True, "full")}
     assert by_ep[8] < by_ep[4] < by_ep[2] < by_ep[1], by_ep
+
+
+def test_plan_proposes_context_parallel_for_long_sequences():
+    """llama3_8b at 32k tokens on 8 x 80 GB: CP layouts listed with their activation memory, which falls as
+    cp grows (each rank holds seq/cp tokens), and the recommended layout splits the sequence."""
+    cmd = [sys.executable, str(ROOT / "tools/plan.py"), "--json", "model=llama3_8b", "model.seq_length=32768",
+           "train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=64"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert {row["cp"] for row in rows} == {1, 2, 4, 8}
+    assert rows[0]["recommended"] and rows[0]["cp"] > 1
+    act = {row["cp"]: row["mem_gb"]["activations"] for row in rows
+           if (row["tp"], row["pp"], row["sp"], row["recompute"]) == (1, 1, False, "full")}
+    assert act[8] < act[4] < act[2] < act[1], act
+    assert all(row["comm_gb"]["cp"] > 0 for row in rows if row["cp"] > 1)

@@ -84,7 +84,8 @@ def run(args) -> None:
         cfg.data.paths, cfg.data.weights = [args.data], None
     if args.text:  # one micro-batch per DP rank a step: the file's windows, in order
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        cfg.train.global_batch_size = cfg.train.micro_batch_size * world // (cfg.parallel.tp * cfg.parallel.pp)
+        cfg.train.global_batch_size = cfg.train.micro_batch_size * world // (cfg.parallel.tp * cfg.parallel.pp
+                                                                            * cfg.parallel.cp)
     derived = validate(cfg)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     with D.distributed(**D.layout_of(cfg)) as info:
@@ -110,7 +111,7 @@ def run(args) -> None:
         loss = (total[0] / total[1]).item()
         if os.environ.get("RANK", "0") == "0":
             layout = (f"tp {ps.get_tensor_model_parallel_world_size()} pp "
-                      f"{ps.get_pipeline_model_parallel_world_size()} dp {derived.dp}")
+                      f"{ps.get_pipeline_model_parallel_world_size()} cp {derived.cp} dp {derived.dp}")
             result = {"loss": loss, "ppl": math.exp(min(loss, 30)), "tokens": int(total[1].item()),
                       "batches": batches, "source": args.text or args.data or "validation split",
                       "checkpoint": str(path), "layout": layout}

@@ -1,4 +1,4 @@
-"""Layout planner: every valid (tp, pp, vpp, sp, dist_opt, recompute) for a model on nodes x GPUs, with
+"""Layout planner: every valid (tp, pp, vpp, cp, sp, dist_opt, recompute, ep) for a model on nodes x GPUs, with
 the per-GPU memory estimate of training/tools/memory.py, the pipeline bubble and the communication volume per
 step; ranked, and the best layout that fits is recommended with the overrides that select it.
 
@@ -22,6 +22,8 @@ Ranking: layouts that fit first, then by score, the step time relative to an ide
     bubble    = (pp - 1) / (vpp * m): idle share of (interleaved) 1F1B, m = micro-batches per step
     recompute = extra forward FLOPs / training FLOPs (full: the layers' forward; selective: core attention)
     tp_comm   = TP traffic time / compute time per GPU (TP collectives sit on the critical path)
+    cp_comm   = CP traffic time / compute: each layer all-gathers K and V forward and reduce-scatters their
+                gradients backward (on the critical path; inside a node when tp x cp GPUs fit one)
     pp_comm   = (PP bytes / link + 4 m vpp messages x 100 us) / compute: every virtual stage boundary costs
                 a send and a receive forward and backward, and each costs a schedule sync, not only bytes
     dp_comm   = 10% of the DP traffic time / compute: the reduction overlaps the backward pass except for
@@ -93,23 +95,26 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
     for tp in divisors(gpus_per_node):
         if world % tp:
             continue
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
+        for pp, cp in itertools.product(divisors(world // tp), divisors(world // tp)):
+            if world % (tp * pp * cp) or (cp > 1 and (m.moe.num_experts or m.seq_length % (2 * cp))):
+                continue  # CP: dense models whose sequence splits into 2 x cp chunks
+            dp = world // (tp * pp * cp)
             per_stage = m.num_layers // pp if m.num_layers % pp == 0 else 0
             # MoE: experts over EP ranks of the data-parallel ranks (expert TP stays 1: experts are small)
             eps = [e for e in divisors(tp * dp) if m.moe.num_experts % e == 0] if m.moe.num_experts else [1]
             for vpp, sp, dist_opt, recompute, ep in itertools.product(
                     [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []),
-                    [False, True] if tp > 1 else [False], [False, True] if dp > 1 else [False],  # dp 1: no shards
+                    [False, True] if tp > 1 else [False],
+                    [False, True] if dp * cp > 1 else [False],  # the optimizer shards over DP x CP; 1: no shards
                     Recompute, eps):
-                parallel = dataclasses.replace(p, tp=tp, pp=pp, vpp=vpp, sp=sp, dist_opt=dist_opt, ep=ep, etp=1,
-                                               overlap_param_gather=p.overlap_param_gather and dist_opt)
+                parallel = dataclasses.replace(p, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp, dist_opt=dist_opt, ep=ep,
+                                               etp=1, overlap_param_gather=p.overlap_param_gather and dist_opt)
                 option = dataclasses.replace(cfg, parallel=parallel, model=dataclasses.replace(m, recompute=recompute))
                 found = problems(option, world)
                 if found:
                     found_first = found_first or found
                 else:
-                    valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, str(recompute), ep, 1), option))
+                    valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, str(recompute), ep, 1, cp), option))
     return valid, found_first
 
 
@@ -124,7 +129,7 @@ def assess(option, shape, lay, settings: dict) -> dict:
     est = estimate(option, shape, lay, micro, settings["flash_attention"])
     vocab = shape.padded_vocab(lay.tp)
     e = 2 if t.precision == "bf16" else 4
-    sbh = shape.seq_length * t.micro_batch_size * shape.hidden_size
+    sbh = shape.seq_length // lay.cp * t.micro_batch_size * shape.hidden_size  # this rank's tokens
     flops_per_token = training_flops(shape, lay.tp)  # 3 x forward
     flops_per_gpu = flops_per_token * t.global_batch_size * shape.seq_length / world
     recompute = {"none": 0.0, "full": (flops_per_token / 3 - 2 * shape.hidden_size * vocab) / flops_per_token,
@@ -133,7 +138,7 @@ def assess(option, shape, lay, settings: dict) -> dict:
     # the same volume; its backward re-gather overlaps the weight-gradient GEMMs); full recompute redoes forward
     collectives = 4 + (2 if lay.recompute == "full" else 0)
     tp_bytes = (shape.num_layers // lay.pp) * micro * collectives * 2 * (lay.tp - 1) / lay.tp * e * sbh
-    shard = (lay.dp - 1) / lay.dp
+    shard = (lay.dp * lay.cp - 1) / (lay.dp * lay.cp)  # gradients are reduced over DP x CP
     dp_bytes = est.params_per_gpu * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
     pp_bytes = 2 * micro * (lay.vpp or 1) * e * sbh / (lay.tp if lay.sp else 1) if lay.pp > 1 else 0.0
     compute_s = flops_per_gpu / (settings["tflops"] * 1e12)
@@ -149,38 +154,50 @@ def assess(option, shape, lay, settings: dict) -> dict:
     ep_bytes = moe_layers * micro * 4 * (shape.moe_top_k or 0) * tokens * shape.hidden_size * e * (lay.ep - 1) / lay.ep
     ep_gbps = settings["link_gbps"] if lay.ep * lay.tp <= settings["gpus_per_node"] else settings["internode_gbps"]
     ep_comm = ep_bytes / (ep_gbps * GB) / compute_s
+    # CP: per layer and micro-batch, K and V all-gathered forward (again in a full recompute) and their
+    # gradients reduce-scattered backward: (cp-1)/cp of the full-length [s, b, kv/tp] tensors each
+    gathers = 2 + (2 if lay.recompute == "full" else 0) + 2
+    cp_bytes = (shape.num_layers // lay.pp) * micro * gathers * (lay.cp - 1) / lay.cp * e * \
+        shape.seq_length * t.micro_batch_size * shape.kv_width / lay.tp
+    cp_gbps = settings["link_gbps"] if lay.tp * lay.cp <= settings["gpus_per_node"] else settings["internode_gbps"]
+    cp_comm = cp_bytes / (cp_gbps * GB) / compute_s
     bubble = (lay.pp - 1) / ((lay.vpp or 1) * micro)
     budget = settings["gpu_mem_gb"] * t.max_memory_fraction
-    return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=lay.dp, ep=lay.ep, etp=lay.etp, sp=lay.sp,
+    return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, dp=lay.dp, ep=lay.ep, etp=lay.etp, sp=lay.sp,
                 dist_opt=lay.dist_opt, recompute=lay.recompute, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
                 stage=est.stage, params_total=est.params_total, params_per_gpu=est.params_per_gpu, micro_batches=micro,
                 bubble=round(bubble, 4), comm_gb={"tp": round(tp_bytes / GB, 3), "dp": round(dp_bytes / GB, 3),
-                                                  "pp": round(pp_bytes / GB, 3), "ep": round(ep_bytes / GB, 3)},
-                score=round((1 + bubble) * (1 + recompute + tp_comm + ep_comm) + pp_comm + dp_comm, 4))
+                                                  "pp": round(pp_bytes / GB, 3), "ep": round(ep_bytes / GB, 3),
+                                                  "cp": round(cp_bytes / GB, 3)},
+                score=round((1 + bubble) * (1 + recompute + tp_comm + ep_comm + cp_comm) + pp_comm + dp_comm, 4))
 
 
 def layout_overrides(row: dict) -> str:
     vpp = "null" if row["vpp"] is None else row["vpp"]
     experts = f" parallel.ep={row['ep']}" if row["ep"] > 1 else ""
-    return (f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vpp={vpp}{experts} "
+    context = f" parallel.cp={row['cp']}" if row["cp"] > 1 else ""
+    return (f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vpp={vpp}{context}{experts} "
             f"parallel.sp={str(row['sp']).lower()} parallel.dist_opt={str(row['dist_opt']).lower()} "
             f"model.recompute={row['recompute']}")
 
 
 def table(rows: list[dict], top: int) -> str:
     moe = any(r["ep"] > 1 for r in rows)  # the EP columns only for a mixture of experts
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>4}{'   ep' if moe else ''} {'sp':>3} {'dopt':>4} "
+    cp = any(r["cp"] > 1 for r in rows)  # the CP columns only where a layout splits sequences
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3}{'  cp' if cp else ''} {'dp':>4}{'   ep' if moe else ''} "
+            f"{'sp':>3} {'dopt':>4} "
             f"{'recomp':>9} | {'w+opt':>7} {'act':>7} {'total':>7} {'fits':>4} | {'bubble':>6} {'TP GB':>7} "
-            f"{'DP GB':>7}{'   EP GB' if moe else ''} | score")
+            f"{'  CP GB ' if cp else ''}{'DP GB':>7}{'   EP GB' if moe else ''} | score")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows[:top], 1):
         g = r["mem_gb"]
-        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['vpp'] or '-':>3} {r['dp']:>4}"
-                     f"{f' {r['ep']:>4}' if moe else ''} "
+        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['vpp'] or '-':>3}{f' {r['cp']:>3}' if cp else ''} "
+                     f"{r['dp']:>4}{f' {r['ep']:>4}' if moe else ''} "
                      f"{'on' if r['sp'] else '-':>3} {'on' if r['dist_opt'] else '-':>4} {r['recompute']:>9} | "
                      f"{g['weights_and_optimizer']:>7.1f} {g['activations']:>7.1f} {g['total']:>7.1f} "
                      f"{'yes' if r['fits'] else 'no':>4} | {r['bubble']:>6.3f} {r['comm_gb']['tp']:>7.1f} "
-                     f"{r['comm_gb']['dp']:>7.1f}{f' {r['comm_gb']['ep']:>7.1f}' if moe else ''} | {r['score']:.3f}")
+                     f"{f'{r['comm_gb']['cp']:>7.1f} ' if cp else ''}{r['comm_gb']['dp']:>7.1f}"
+                     f"{f' {r['comm_gb']['ep']:>7.1f}' if moe else ''} | {r['score']:.3f}")
     return "\n".join(lines)
 
 

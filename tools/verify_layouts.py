@@ -3,6 +3,7 @@
     python tools/verify_layouts.py --steps 4 --layouts tp2,sp,pp2,vpp,dp2,distopt,tp2pp2,accum,recompute-full,recompute-selective,bf16
     python tools/verify_layouts.py --steps 4 --layouts tp2,pp2 model=gpt2_124m model.num_layers=2   # your model
     python tools/verify_layouts.py model=moe_tiny --layouts ep2,ep2tp2,ep2distopt,ep2pp2          # experts
+    python tools/verify_layouts.py model.seq_length=256 --layouts cp2,cp2tp2,cp2distopt            # long sequences
     python tools/verify_layouts.py model=moe_tiny          # every layout this model can run (the rest: said why)
 
 It saves the initial weights once (train.iters=0), then launches train.py with torchrun for the
@@ -47,6 +48,10 @@ LAYOUTS = {
     "recompute-full": (2, ["parallel.tp=2", "model.recompute=full"]),
     "recompute-selective": (2, ["parallel.tp=2", "parallel.sp=true", "model.recompute=selective"]),
     "bf16": (2, ["train.precision=bf16"]),
+    # context parallel (sequences split over ranks; needs model.seq_length divisible by 2 x cp (x tp with SP))
+    "cp2": (2, ["parallel.cp=2"]),
+    "cp2tp2": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+    "cp2distopt": (2, ["parallel.cp=2", "parallel.dist_opt=true", "parallel.overlap_grad_reduce=true"]),
     # a mixture of experts (model=moe_tiny): experts over 2 ranks, with TP+SP, the distributed optimizer, PP
     "ep2": (2, ["parallel.ep=2"]),
     "ep2tp2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]),

@@ -47,6 +47,7 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         # parallelism
         tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sp,
+        context_parallel_size=p.cp,  # models/context_parallel.py: all-gather-KV attention (no TE needed)
         expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp,
         **moe_settings(cfg, shape),
         **upstream_fixes.pipeline_p2p_settings(p.pp, p.vpp),

@@ -90,7 +90,8 @@ def _versions() -> dict:
 def _layout() -> dict:
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size()}
+            "dp": parallel_state.get_data_parallel_world_size(),
+            "cp": parallel_state.get_context_parallel_world_size()}
 
 
 def _rng_state() -> dict:

@@ -116,6 +116,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel size: splits layers into stages
     vpp: Optional[int] = None  # virtual stages per pipeline rank (interleaved 1F1B); null = plain 1F1B
     sp: bool = False  # sequence parallel: shard norms/dropout activations along the sequence (needs tp>1)
+    cp: int = 1  # context parallel size: each rank holds 1/cp of every sequence (long contexts; K/V all-gathered)
     ep: int = 1  # expert parallel size: MoE experts split over ranks of the data-parallel group (all-to-all)
     etp: int = 1  # expert tensor parallel size: each expert's FFN split over this many ranks
     dist_opt: bool = False  # distributed optimizer: shard fp32 main params + Adam state across DP ranks
@@ -211,7 +212,7 @@ def to_config(cfg: Any) -> Config:
     return OmegaConf.to_object(merged)
 
 
-__all__ = ["Activation", "DecayStyle", "Dispatcher", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction", "Normalization",
-           "PositionEmbedding", "Precision",
+__all__ = ["Activation", "DecayStyle", "Dispatcher", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction",
+           "Normalization", "PositionEmbedding", "Precision",
            "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "register", "to_config"]

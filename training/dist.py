@@ -33,6 +33,7 @@ class DistInfo:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
 
 
 def single_process_env() -> None:
@@ -66,14 +67,14 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def check_world_size(world_size: int, tp: int, pp: int) -> int:
-    """Data-parallel size, or a one-line error when tp * pp does not divide the world."""
-    if world_size % (tp * pp) != 0:
+def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    """Data-parallel size, or a one-line error when tp * pp * cp does not divide the world."""
+    if world_size % (tp * pp * cp) != 0:
         raise LaunchError(
-            f"world size {world_size} is not divisible by tp * pp = {tp} * {pp} = {tp * pp}: "
-            f"start a multiple of {tp * pp} processes or change parallel.tp / parallel.pp"
+            f"world size {world_size} is not divisible by tp * pp * cp = {tp} * {pp} * {cp} = {tp * pp * cp}: "
+            f"start a multiple of {tp * pp * cp} processes or change parallel.tp / parallel.pp / parallel.cp"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
 def set_seeds(seed: int) -> None:
@@ -103,12 +104,12 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
 
 
 def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
-         timeout_minutes: float = 10.0, ep: int = 1, etp: int = 1) -> DistInfo:
+         timeout_minutes: float = 10.0, ep: int = 1, etp: int = 1, cp: int = 1) -> DistInfo:
     """Start torch.distributed from torchrun's environment and Megatron-Core's model-parallel groups."""
     quiet_known_noise()
     rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     local_rank = env_int("LOCAL_RANK", rank)
-    dp = check_world_size(world_size, tp, pp)
+    dp = check_world_size(world_size, tp, pp, cp)
     device = select_device(local_rank)
     from megatron.core import parallel_state
 
@@ -121,12 +122,12 @@ def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=max(1, int(timeout_minutes)),
     )
     set_seeds(seed)
-    return DistInfo(rank, world_size, local_rank, device, tp, pp, dp)
+    return DistInfo(rank, world_size, local_rank, device, tp, pp, dp, cp)
 
 
 def teardown(clean: bool = True) -> None:
@@ -153,7 +154,7 @@ def reset_model_parallel() -> None:
 def layout_of(cfg) -> dict:
     """init's arguments for a config: the layout, the seed and the collective timeout."""
     p = cfg.parallel
-    return dict(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, seed=cfg.train.seed,
+    return dict(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.train.seed,
                 timeout_minutes=p.timeout_minutes)
 
 

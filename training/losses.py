@@ -33,11 +33,12 @@ def global_loss(reports: list[dict], device: torch.device) -> torch.Tensor:
 
 def global_loss_sum(reports: list[dict], device: torch.device) -> torch.Tensor:
     """[loss sum, tokens] (float64) of the whole global batch, identical on every rank: summed over
-    micro-batches, then over DP ranks, then sent from the last pipeline stage to the others."""
+    micro-batches, then over DP x CP ranks (CP ranks hold other tokens of the same sequences), then sent
+    from the last pipeline stage to the others."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for report in reports:
         total += report["lm loss"].to(device=device, dtype=torch.float64)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             total.zero_()

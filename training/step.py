@@ -26,6 +26,7 @@ from models.spec import extra_stats
 from training import dist as D
 from training.build import TrainState, unwrap
 from training.config import Config, NanPolicy
+from training.context_parallel import split_batch
 from training.errors import TemplateError
 from training.losses import extra_losses, global_loss, global_loss_sum, loss_func
 from training.validate import Derived
@@ -45,11 +46,12 @@ class StepResult:
 
 def forward_step(data_iterator, model):
     """Called by the schedule once per micro-batch and model chunk."""
-    batch = next(data_iterator) if data_iterator is not None else None
+    batch = split_batch(next(data_iterator)) if data_iterator is not None else None  # CP: [b, s/cp] each
     gpt, device = unwrap(model), D.current_device()
-    tokens = batch["tokens"].to(device) if gpt.pre_process else None  # [b, s]
-    labels = batch["labels"].to(device) if gpt.post_process else None  # [b, s]
-    output = model(tokens, labels)  # [b, s] token losses on the last stage, activations elsewhere
+    tokens = batch["tokens"].to(device) if gpt.pre_process else None  # [b, s(/cp)]
+    labels = batch["labels"].to(device) if gpt.post_process else None  # [b, s(/cp)]
+    positions = batch["position_ids"].to(device) if gpt.pre_process and "position_ids" in batch else None
+    output = model(tokens, labels, position_ids=positions)  # [b, s(/cp)] token losses (last stage), or activations
     mask = batch["loss_mask"].to(device) if gpt.post_process else None
     return output, partial(loss_func, mask)
 

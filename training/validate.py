@@ -25,12 +25,14 @@ class Derived:
     dp: int
     num_microbatches: int  # micro-batches per DP rank per optimizer step (gradient accumulation)
     tokens_per_step: int
+    cp: int = 1  # context parallel: the ranks of one DP replica that share its sequences
 
     def describe(self, cfg: Config) -> str:
         t, p = cfg.train, cfg.parallel
         experts = "" if p.ep * p.etp == 1 else \
             f" (experts: ep {p.ep} x etp {p.etp} x edp {self.world_size // (p.pp * p.ep * p.etp)} per stage)"
-        return (f"world {self.world_size} = tp {p.tp} x pp {p.pp} x dp {self.dp}{experts}; "
+        context = f" x cp {p.cp}" if p.cp > 1 else ""
+        return (f"world {self.world_size} = tp {p.tp} x pp {p.pp}{context} x dp {self.dp}{experts}; "
                 f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {self.dp} x "
                 f"accumulation {self.num_microbatches}; {self.tokens_per_step} tokens/step")
 
@@ -50,18 +52,23 @@ def problems(cfg: Config, world_size: int) -> list[str]:
             out.append(message)
 
     for key in ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length",
-                "parallel.tp", "parallel.pp", "train.micro_batch_size", "train.global_batch_size",
+                "parallel.tp", "parallel.pp", "parallel.cp", "train.micro_batch_size", "train.global_batch_size",
                 "train.log_interval"):
         need(_get(cfg, key) >= 1, f"{key}={_get(cfg, key)} must be >= 1")
     need(t.iters >= 0, f"train.iters={t.iters} must be >= 0 (0 saves the initial checkpoint)")
     if out:  # the arithmetic below assumes positive sizes and known choices
         return out
 
-    tp, pp = p.tp, p.pp
+    tp, pp, cp = p.tp, p.pp, p.cp
     shape = ModelShape.of(m)
-    need(world_size % (tp * pp) == 0,
-         f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp}: "
-         f"start a multiple of {tp * pp} processes (NPROC) or change tp/pp")
+    if cp == 1:
+        need(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp}: "
+             f"start a multiple of {tp * pp} processes (NPROC) or change tp/pp")
+    else:
+        need(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by parallel.tp * pp * cp = {tp} * {pp} * {cp} = "
+             f"{tp * pp * cp}: start a multiple of {tp * pp * cp} processes (NPROC) or change tp/pp/cp")
     need(m.num_attention_heads % tp == 0,
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={tp}")
     groups = shape.num_query_groups
@@ -101,9 +108,9 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     need(m.make_vocab_size_divisible_by >= 1,
          f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
 
-    out += moe_problems(cfg, shape, world_size)
-    if world_size % (tp * pp) == 0:
-        dp = world_size // (tp * pp)
+    out += moe_problems(cfg, shape, world_size) + cp_problems(cfg)
+    if world_size % (tp * pp * cp) == 0:
+        dp = world_size // (tp * pp * cp)
         per_step = t.micro_batch_size * dp
         need(t.global_batch_size % per_step == 0,
              f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * dp "
@@ -193,6 +200,23 @@ def moe_problems(cfg: Config, shape: ModelShape, world_size: int) -> list[str]:
     return out
 
 
+def cp_problems(cfg: Config) -> list[str]:
+    """Context parallelism (parallel.cp): each rank holds 2 of the 2 x cp chunks of every sequence
+    (Megatron-Core's zigzag split), and under sequence parallelism its tokens split again over TP."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return []
+    out = []
+    chunks = 2 * p.cp * (p.tp if p.sp else 1)
+    if m.seq_length % chunks:
+        by = f"2 * parallel.cp * tp = 2 * {p.cp} * {p.tp}" if p.sp else f"2 * parallel.cp = 2 * {p.cp}"
+        out.append(f"model.seq_length={m.seq_length} is not divisible by {by} = {chunks}: context parallelism "
+                   f"splits every sequence into 2 x cp chunks{' (then SP over TP)' if p.sp else ''}")
+    if m.moe.num_experts:
+        out.append(f"parallel.cp={p.cp} with a mixture of experts is not supported here yet: use parallel.cp=1")
+    return out
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Derived:
     """Raise ConfigError listing every problem; else return the derived sizes."""
     if world_size is None:
@@ -201,6 +225,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Derived:
     if found:
         raise ConfigError("\n".join(found))
     p, t = cfg.parallel, cfg.train
-    dp = world_size // (p.tp * p.pp)
+    dp = world_size // (p.tp * p.pp * p.cp)
     return Derived(world_size=world_size, dp=dp, num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
-                   tokens_per_step=t.global_batch_size * cfg.model.seq_length)
+                   tokens_per_step=t.global_batch_size * cfg.model.seq_length, cp=p.cp)

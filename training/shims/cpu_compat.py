@@ -16,7 +16,8 @@ The patches, narrowest first:
    of changing torch globally, every `megatron.core.*` module gets its own `torch` name bound to a proxy
    that forwards everything to torch except: `torch.cuda.current_device()` -> cpu, streams/events/
    synchronize -> no-ops (gloo collectives are synchronous w.r.t. the host), `device="cuda"` in tensor
-   factories -> cpu, and the CUDA RNG API -> the CPU generator (so `model_parallel_cuda_manual_seed`,
+   factories -> cpu (and `pin_memory=True` dropped: rope_utils.py:62 pins the context-parallel RoPE
+   index), and the CUDA RNG API -> the CPU generator (so `model_parallel_cuda_manual_seed`,
    `get_cuda_rng_tracker().fork()` and `tensor_parallel.checkpoint` give distinct TP streams and exact
    dropout replay). An import hook binds the proxy in modules imported later too.
 2. `tensor_parallel.random._set_cuda_rng_state` goes through `torch.cuda._lazy_call`, which on a machine
@@ -135,6 +136,7 @@ def _cpu_factory(fn):
     def factory(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # page-locked memory needs CUDA (rope_utils.py:62, context parallel)
         return fn(*args, **kwargs)
 
     factory.__name__ = fn.__name__

@@ -41,9 +41,9 @@ class Sampling:
 
 
 def _inference_layout(cfg, for_generation: bool = True) -> None:
-    if for_generation and (cfg.parallel.sp or cfg.parallel.vpp is not None):
-        raise ConfigError("generation runs without parallel.sp and parallel.vpp (one token a step cannot be "
-                          "split along the sequence; the interleaved schedule needs several micro-batches)")
+    if for_generation and (cfg.parallel.sp or cfg.parallel.vpp is not None or cfg.parallel.cp > 1):
+        raise ConfigError("generation runs without parallel.sp, parallel.cp and parallel.vpp (one token a step "
+                          "cannot be split along the sequence; the interleaved schedule needs several micro-batches)")
     cfg.model.recompute = "none"
 
 

@@ -16,7 +16,10 @@ Models" (arXiv:2205.05198, Table 2: sbh(34 + 5as/h) bytes per layer with 2-byte 
 term for this repo's layers: GQA shrinks K and V, SwiGLU keeps 4 ffn-wide tensors instead of GELU's 2,
 unfused RoPE keeps rotated copies of Q and K, dropout masks exist only when dropout > 0 (torch skips
 p=0), and the s x s attention scores exist only without flash attention. The first pipeline stage holds
-pp micro-batches in 1F1B, times (1 + (pp-1)/(pp*vpp)) when interleaved.
+pp micro-batches in 1F1B, times (1 + (pp-1)/(pp*vpp)) when interleaved. Context parallelism (cp) divides
+every sequence-long tensor by cp and adds the full-length K and V each layer gathers (models/
+context_parallel.py) and its [s/cp, s] causal mask (one per rank); the distributed optimizer shards over
+DP x CP.
 
 Not counted (keep headroom with train.max_memory_fraction): the CUDA context and NCCL buffers (~1 GB),
 allocator fragmentation, pipeline send/receive buffers, flash attention's O(s) softmax statistics.
@@ -43,20 +46,22 @@ class Layout:
     recompute: str  # none | selective | full
     ep: int = 1  # expert parallel (MoE)
     etp: int = 1  # expert tensor parallel (MoE)
+    cp: int = 1  # context parallel: each rank holds seq/cp tokens of every sequence
 
     @classmethod
     def of(cls, cfg: Config, dp: int) -> Layout:
         p = cfg.parallel
-        return cls(p.tp, p.pp, p.vpp, dp, p.sp, p.dist_opt, str(cfg.model.recompute), p.ep, p.etp)
+        return cls(p.tp, p.pp, p.vpp, dp, p.sp, p.dist_opt, str(cfg.model.recompute), p.ep, p.etp, p.cp)
 
     @property
     def edp(self) -> int:
         """Expert data parallel: the ranks holding the same experts (world / (pp * ep * etp))."""
-        return self.tp * self.dp // (self.ep * self.etp)
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     def describe(self) -> str:
         experts = f" ep {self.ep} etp {self.etp}" if self.ep * self.etp > 1 else ""
-        return (f"tp {self.tp} pp {self.pp} vpp {self.vpp or '-'} dp {self.dp}{experts} "
+        context = f" cp {self.cp}" if self.cp > 1 else ""
+        return (f"tp {self.tp} pp {self.pp} vpp {self.vpp or '-'}{context} dp {self.dp}{experts} "
                 f"sp {'on' if self.sp else 'off'} dist_opt {'on' if self.dist_opt else 'off'} "
                 f"recompute {self.recompute}")
 
@@ -95,7 +100,7 @@ def mlp_activations(cfg: Config, shape: ModelShape, lay: Layout, moe: bool) -> f
     the product. A MoE MLP (balanced routing: each rank's experts get k x its tokens) keeps that for its
     experts' FFN width, the permuted copies of the tokens going in and out, the router's fp32 logits and
     probabilities, and the shared expert's like a dense MLP."""
-    s, b, h, t = shape.seq_length, cfg.train.micro_batch_size, shape.hidden_size, lay.tp
+    s, b, h, t = shape.seq_length // lay.cp, cfg.train.micro_batch_size, shape.hidden_size, lay.tp
     e = 2 if cfg.train.precision == "bf16" else 4
     width = 4 if shape.gated else 2
     if not moe:
@@ -113,7 +118,7 @@ def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attenti
     """Bytes one layer (with a MoE MLP when moe) keeps for backward, for one micro-batch, on one GPU
     (Korthikanti Table 2, term by term)."""
     m = cfg.model
-    s, b, h, t = shape.seq_length, cfg.train.micro_batch_size, shape.hidden_size, lay.tp
+    s, b, h, t = shape.seq_length // lay.cp, cfg.train.micro_batch_size, shape.hidden_size, lay.tp  # CP: s/cp
     e = 2 if cfg.train.precision == "bf16" else 4  # bytes per activation element
     seq_split = t if lay.sp else 1  # SP shards the TP-replicated tensors along the sequence
     if lay.recompute == "full":  # only the layer's input survives; the rest is recomputed in backward
@@ -127,9 +132,11 @@ def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attenti
     if shape.position_embedding == "rope":  # unfused RoPE: rotated copies of Q and K (QKV's output stays as V)
         out += e * s * b * (q + kv) / t
     out += mlp_activations(cfg, shape, lay, moe)
+    if lay.cp > 1:  # K and V gathered to full length for attention (saved for its backward)
+        out += e * shape.seq_length * b * 2 * kv / t
     if lay.recompute == "none" and not flash_attention:  # materialised s x s scores: softmax output,
         dropout = 1 + e if m.attention_dropout > 0 else 0  # + dropout mask and dropout output
-        out += (e + dropout) * shape.num_attention_heads * s * s * b / t
+        out += (e + dropout) * shape.num_attention_heads * s * shape.seq_length * b / t  # [s/cp, s] under CP
     return out
 
 
@@ -159,9 +166,11 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
     out = layer(lay) * in_flight
     if lay.recompute == "full":  # backward recomputes one layer at a time: its activations live once
         out += layer(replace(lay, recompute="none"))
+    if lay.cp > 1:  # the causal mask of context-parallel attention, [s/cp, s] booleans, shared by the layers
+        out += shape.seq_length // lay.cp * shape.seq_length
     if stage == lay.pp - 1:  # final norm and output-layer inputs; logits and cross-entropy's fp32 softmax
         e = 2 if cfg.train.precision == "bf16" else 4
-        s, b = shape.seq_length, cfg.train.micro_batch_size
+        s, b = shape.seq_length // lay.cp, cfg.train.micro_batch_size
         out += 2 * e * s * b * shape.hidden_size / (lay.tp if lay.sp else 1)
         out += (e + 4) * s * b * shape.padded_vocab(lay.tp) / lay.tp
     return out
@@ -178,8 +187,8 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int,
     for stage in sorted({0, lay.pp - 1}):
         params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp)
         experts = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, experts_only=True)
-        # the distributed optimizer shards dense state over DP, expert state over the expert-DP group
-        weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.dp) + \
+        # the distributed optimizer shards dense state over DP x CP, expert state over the expert-DP group
+        weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.dp * lay.cp) + \
             experts * bytes_per_param(precision, lay.dist_opt, lay.edp)
         candidate = Estimate(lay, num_params(shape), params, stage, weights,
                              stage_activations(cfg, shape, lay, num_microbatches, stage, flash_attention))
