@@ -9,7 +9,8 @@ PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo py
 # oversubscribe the node (torchrun sets 1 too, with a warning). Raise it for CPU-heavy data work.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Megatron-Core's TP/SP communication overlap relies on kernels reaching the GPU in issue order,
-# which one hardware queue per device guarantees (Megatron-LM warns without it).
+# which one hardware queue per device guarantees (Megatron-LM warns without it). Megatron-FSDP wants the
+# opposite (its all-gathers overlap on other queues): training/loop.py raises it to 8 under parallel.fsdp.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # A failed or timed-out NCCL collective aborts the process instead of hanging the whole job.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"

@@ -11,6 +11,7 @@ glues them back (and checks that replicas agree).
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from harness import run_distributed
 
@@ -110,8 +111,7 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
     p = cfg.parallel
     info = D.init(**{**D.layout_of(cfg), "timeout_minutes": 2})
     try:
-        state = build(cfg, ModelShape.of(cfg.model, VOCAB), info.device)
-        experts = state.shape.num_experts or 1
+        experts = cfg.model.moe.num_experts or 1
         offset = ps.get_expert_model_parallel_rank() * (experts // p.ep)  # this rank's first expert
 
         def tp_of(param) -> tuple[int, int]:  # expert weights are split over the expert-TP group
@@ -122,13 +122,14 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
         def name_of(gpt, name):
             return global_name(gpt, name, offset)
 
-        if weights is not None:
+        def load(chunks):  # before DDP / FSDP wrap them: the optimizer's main params start from these
             with torch.no_grad():
-                for chunk in state.model:
+                for chunk in chunks:
                     gpt = unwrap(chunk)
                     for name, param in gpt.named_parameters():
                         param.copy_(shard(weights[name_of(gpt, name)], param, *tp_of(param)))
-            state.optimizer.reload_model_params()  # fp32 main params (bf16, dist optimizer) follow the load
+
+        state = build(cfg, ModelShape.of(cfg.model, VOCAB), info.device, prepare=load if weights is not None else None)
         # Init drew a layout-dependent amount of random numbers (padded vocab): restart the streams so
         # dropout masks do not depend on it.
         D.set_seeds(cfg.train.seed)
@@ -138,6 +139,13 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
 
         def tagged(param, tensor):
             parallel = getattr(param, "tensor_model_parallel", False)
+            if isinstance(tensor, DTensor):  # Megatron-FSDP: this rank's piece; its mesh may span TP too
+                names = tensor.device_mesh.mesh_dim_names or ()
+                spans_tp = any(name == "tp" and placement.is_shard()
+                               for name, placement in zip(names, tensor.placements))
+                tensor = fsdp_full(tensor)  # TP ranks' shards side by side when spans_tp: keep this rank's
+                if parallel and spans_tp:
+                    tensor = tensor.chunk(p.tp, dim=param.partition_dim)[ps.get_tensor_model_parallel_rank()]
             return (*tp_of(param), param.partition_dim if parallel else None,
                     param.partition_stride if parallel else 1, tensor.detach().float().clone())
 
@@ -171,18 +179,34 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
                "counts": (built, estimated),
                "expert_buffers": sum(len(getattr(chunk, "expert_parallel_buffers", [])) for chunk in state.model)}
         if want_logits and p.pp == 1:
-            gpt = unwrap(state.model[0])
-            gpt.eval()
             from training.context_parallel import gather_sequence, split_batch
 
+            model = state.model[0]  # through DDP / FSDP (FSDP gathers its parameters in its forward hooks)
+            model.eval()
             mine = split_batch({"tokens": torch.stack([s["tokens"] for s in batch])})  # CP: [b, s/cp]
             with torch.no_grad():
-                logits = gpt(mine["tokens"], position_ids=mine.get("position_ids"))  # [b, s/cp, V_padded/tp]
+                logits = model(mine["tokens"], position_ids=mine.get("position_ids"))  # [b, s/cp, V_padded/tp]
                 logits = gather_sequence(logits, dim=1)  # [b, s, V_padded/tp]
             out["logits"] = (ps.get_tensor_model_parallel_rank(), p.tp, 2, 1, logits.float())
         return out
     finally:
         D.reset_model_parallel()
+
+
+def fsdp_full(dtensor: DTensor) -> torch.Tensor:
+    """A Megatron-FSDP parameter (a DTensor whose DP shards are uneven: not DTensor.full_tensor's chunking,
+    and gloo has no uneven all-gather) as the full TP-local tensor on every DP rank: each rank places its
+    piece at the offsets Megatron-FSDP computes, and the DP group sums them."""
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+
+    meta = gather_and_compute_chunk_metadata(dtensor)
+    full = torch.zeros(dtensor.shape, dtype=torch.float32)
+    full[tuple(slice(o, o + n) for o, n in zip(meta.offsets, meta.sizes))] = dtensor.to_local().float()
+    for dim, placement in enumerate(dtensor.placements):
+        if placement.is_shard():
+            dist.all_reduce(full, group=dtensor.device_mesh.get_group(dim))
+    return full
 
 
 def _rank_steps(specs: list[tuple], batch: list[dict]) -> list:

@@ -44,6 +44,9 @@ def _patch_scope():
         "torch_cuda_current_device_is_untouched": torch.cuda.current_device is not mcore_utils.torch.cuda.current_device,
         "mcore_sees_cpu": mcore_utils.torch.cuda.current_device() == torch.device("cpu"),
         "mcore_factory_maps_cuda": mcore_utils.torch.zeros(1, device="cuda").device.type,
+        # patch 7: Megatron-FSDP's f"cuda:{torch.cuda.current_device()}", and isinstance still works
+        "mcore_device_string": str(mcore_utils.torch.device(f"cuda:{mcore_utils.torch.cuda.current_device()}")),
+        "mcore_device_isinstance": isinstance(torch.device("cpu"), mcore_utils.torch.device),
         "type_outside_mcore": here.type(),
         "set_rng_state_replaced": mcore_random._set_cuda_rng_state.__name__,
     }
@@ -66,6 +69,7 @@ def test_patches_are_scoped_to_megatron_core():
     assert result["torch_cuda_current_device_is_untouched"]
     assert result["mcore_sees_cpu"]
     assert result["mcore_factory_maps_cuda"] == "cpu"
+    assert result["mcore_device_string"] == "cpu" and result["mcore_device_isinstance"]
     assert result["cp_rope_slice"] == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4: rank 1's zigzag share
     assert result["type_outside_mcore"] == "torch.FloatTensor"
     assert result["type_inside_mcore_optimizer"] == "torch.cuda.FloatTensor"

@@ -119,6 +119,13 @@ def test_plan_cli_json_lists_layouts_and_recommends_one_that_fits():
     assert any(row["fits"] for row in rows)
     assert rows[0]["fits"] and rows[0]["recommended"] and sum(row["recommended"] for row in rows) == 1
     assert {row["recompute"] for row in rows} == {"none", "selective", "full"}
+    # Megatron-FSDP rows (fp32); at tp 2 dp 4: ZeRO-3 (4 + 16)/4 + 4 < ZeRO-2 4 + 16/4 < ZeRO-1 8 + 8/4 bytes per
+    # parameter
+    dp4 = {row["fsdp"]: row["mem_gb"]["weights_and_optimizer"] for row in rows if (row["tp"], row["dp"]) == (2, 4)
+           and row["dist_opt"] and row["recompute"] == "none" and not row["sp"]}
+    assert dp4["optim_grads"] < dp4["none"] and dp4["optim_grads_params"] < dp4["none"], dp4
+    assert dp4["optim_grads_params"] == pytest.approx(dp4["none"] * 9 / 10, rel=1e-3)
+    assert dp4["optim_grads"] == pytest.approx(dp4["none"] * 8 / 10, rel=1e-3)
 
 
 def test_plan_settings_are_checked():

@@ -45,6 +45,7 @@ from training.shims.noise import quiet_known_noise  # noqa: E402
 
 PLAN_DEFAULTS = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_gb": 80.0, "flash_attention": True,
                  "tflops": 400.0, "link_gbps": 200.0, "internode_gbps": 40.0, "top": 15}  # reasons: docstring
+SHARDING = {"none": "on", "optim_grads": "z2", "optim_grads_params": "z3"}  # the dopt column: ZeRO-1/2/3
 P2P_MESSAGE_S = 100e-6  # one pipeline send or receive: NCCL launch, the schedule's wait, small-message latency
 DP_EXPOSED = 0.1  # share of the DP traffic not hidden behind the backward pass
 
@@ -102,19 +103,24 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
             per_stage = m.num_layers // pp if m.num_layers % pp == 0 else 0
             # MoE: experts over EP ranks of the data-parallel ranks (expert TP stays 1: experts are small)
             eps = [e for e in divisors(tp * dp) if m.moe.num_experts % e == 0] if m.moe.num_experts else [1]
-            for vpp, sp, dist_opt, recompute, ep in itertools.product(
+            # Megatron-FSDP (ZeRO-2 / ZeRO-3, with the distributed optimizer) where validate.py allows it
+            sharding = [(False, "none"), (True, "none")] if dp * cp > 1 else [(False, "none")]
+            if dp > 1 and pp == cp == 1 and not m.moe.num_experts:
+                sharding += [(True, "optim_grads"), (True, "optim_grads_params")]
+            for vpp, sp, (dist_opt, fsdp), recompute, ep in itertools.product(
                     [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []),
                     [False, True] if tp > 1 else [False],
-                    [False, True] if dp * cp > 1 else [False],  # the optimizer shards over DP x CP; 1: no shards
+                    sharding,  # the optimizer shards over DP x CP; 1: no shards
                     Recompute, eps):
                 parallel = dataclasses.replace(p, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp, dist_opt=dist_opt, ep=ep,
-                                               etp=1, overlap_param_gather=p.overlap_param_gather and dist_opt)
+                                               etp=1, fsdp=fsdp,
+                                               overlap_param_gather=p.overlap_param_gather and dist_opt)
                 option = dataclasses.replace(cfg, parallel=parallel, model=dataclasses.replace(m, recompute=recompute))
                 found = problems(option, world)
                 if found:
                     found_first = found_first or found
                 else:
-                    valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, str(recompute), ep, 1, cp), option))
+                    valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, str(recompute), ep, 1, cp, fsdp), option))
     return valid, found_first
 
 
@@ -140,6 +146,8 @@ def assess(option, shape, lay, settings: dict) -> dict:
     tp_bytes = (shape.num_layers // lay.pp) * micro * collectives * 2 * (lay.tp - 1) / lay.tp * e * sbh
     shard = (lay.dp * lay.cp - 1) / (lay.dp * lay.cp)  # gradients are reduced over DP x CP
     dp_bytes = est.params_per_gpu * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
+    if lay.fsdp == "optim_grads_params":  # ZeRO-3: its weights gathered for forward and again for backward
+        dp_bytes = est.params_per_gpu * lay.dp * shard * (4 + 2 * e)
     pp_bytes = 2 * micro * (lay.vpp or 1) * e * sbh / (lay.tp if lay.sp else 1) if lay.pp > 1 else 0.0
     compute_s = flops_per_gpu / (settings["tflops"] * 1e12)
     tp_comm = (tp_bytes / (settings["link_gbps"] * GB)) / compute_s
@@ -164,6 +172,7 @@ def assess(option, shape, lay, settings: dict) -> dict:
     bubble = (lay.pp - 1) / ((lay.vpp or 1) * micro)
     budget = settings["gpu_mem_gb"] * t.max_memory_fraction
     return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, dp=lay.dp, ep=lay.ep, etp=lay.etp, sp=lay.sp,
+                fsdp=lay.fsdp,
                 dist_opt=lay.dist_opt, recompute=lay.recompute, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
                 stage=est.stage, params_total=est.params_total, params_per_gpu=est.params_per_gpu, micro_batches=micro,
                 bubble=round(bubble, 4), comm_gb={"tp": round(tp_bytes / GB, 3), "dp": round(dp_bytes / GB, 3),
@@ -176,6 +185,7 @@ def layout_overrides(row: dict) -> str:
     vpp = "null" if row["vpp"] is None else row["vpp"]
     experts = f" parallel.ep={row['ep']}" if row["ep"] > 1 else ""
     context = f" parallel.cp={row['cp']}" if row["cp"] > 1 else ""
+    context += f" parallel.fsdp={row['fsdp']}" if row["fsdp"] != "none" else ""
     return (f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vpp={vpp}{context}{experts} "
             f"parallel.sp={str(row['sp']).lower()} parallel.dist_opt={str(row['dist_opt']).lower()} "
             f"model.recompute={row['recompute']}")
@@ -193,7 +203,8 @@ def table(rows: list[dict], top: int) -> str:
         g = r["mem_gb"]
         lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['vpp'] or '-':>3}{f' {r['cp']:>3}' if cp else ''} "
                      f"{r['dp']:>4}{f' {r['ep']:>4}' if moe else ''} "
-                     f"{'on' if r['sp'] else '-':>3} {'on' if r['dist_opt'] else '-':>4} {r['recompute']:>9} | "
+                     f"{'on' if r['sp'] else '-':>3} {SHARDING[r['fsdp']] if r['dist_opt'] else '-':>4} "
+                     f"{r['recompute']:>9} | "
                      f"{g['weights_and_optimizer']:>7.1f} {g['activations']:>7.1f} {g['total']:>7.1f} "
                      f"{'yes' if r['fits'] else 'no':>4} | {r['bubble']:>6.3f} {r['comm_gb']['tp']:>7.1f} "
                      f"{f'{r['comm_gb']['cp']:>7.1f} ' if cp else ''}{r['comm_gb']['dp']:>7.1f}"

@@ -4,6 +4,7 @@
     python tools/verify_layouts.py --steps 4 --layouts tp2,pp2 model=gpt2_124m model.num_layers=2   # your model
     python tools/verify_layouts.py model=moe_tiny --layouts ep2,ep2tp2,ep2distopt,ep2pp2          # experts
     python tools/verify_layouts.py model.seq_length=256 --layouts cp2,cp2tp2,cp2distopt            # long sequences
+    python tools/verify_layouts.py --layouts fsdp,fsdp-zero2,fsdp-tp2                               # ZeRO-3 / ZeRO-2
     python tools/verify_layouts.py model=moe_tiny          # every layout this model can run (the rest: said why)
 
 It saves the initial weights once (train.iters=0), then launches train.py with torchrun for the
@@ -48,6 +49,10 @@ LAYOUTS = {
     "recompute-full": (2, ["parallel.tp=2", "model.recompute=full"]),
     "recompute-selective": (2, ["parallel.tp=2", "parallel.sp=true", "model.recompute=selective"]),
     "bf16": (2, ["train.precision=bf16"]),
+    # Megatron-FSDP: ZeRO-3 and ZeRO-2 over DP, ZeRO-3 with TP
+    "fsdp": (2, ["parallel.fsdp=optim_grads_params"]),
+    "fsdp-zero2": (2, ["parallel.fsdp=optim_grads"]),
+    "fsdp-tp2": (4, ["parallel.fsdp=optim_grads_params", "parallel.tp=2"]),
     # context parallel (sequences split over ranks; needs model.seq_length divisible by 2 x cp (x tp with SP))
     "cp2": (2, ["parallel.cp=2"]),
     "cp2tp2": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),

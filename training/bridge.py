@@ -13,7 +13,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.shape import ModelShape
-from training.config import Activation, Config, Precision, Recompute
+from training.config import Activation, Config, Fsdp, Precision, Recompute
 from training.shims import upstream_fixes
 
 ACTIVATIONS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu}  # swiglu: SiLU(gate) * up (gated below)
@@ -99,13 +99,23 @@ def moe_settings(cfg: Config, shape: ModelShape) -> dict:
     )
 
 
+def uses_fsdp(cfg: Config) -> bool:
+    """Megatron-FSDP (parallel.fsdp); training/config.to_config then also sets parallel.dist_opt."""
+    return cfg.parallel.fsdp != Fsdp.none
+
+
 def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
     p = cfg.parallel
+    fsdp = uses_fsdp(cfg)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,  # reduce and accumulate gradients in fp32 also under bf16
         overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.dist_opt, bucket_size=p.bucket_size,
         average_in_collective=False,  # the per-token loss is normalised in finalize_model_grads
+        # Megatron-FSDP (training/build.py wraps with its adapter): ZeRO-2 / ZeRO-3 over DP, its gradients
+        # kept and reduced in fp32 as DDP's above (its default is the parameters' dtype)
+        use_megatron_fsdp=fsdp, data_parallel_sharding_strategy=str(p.fsdp) if fsdp else "no_shard",
+        megatron_fsdp_main_grads_dtype=torch.float32, megatron_fsdp_grad_comm_dtype=torch.float32,
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
@@ -23,7 +24,7 @@ from models.gpt import GPT
 from models.shape import ModelShape
 from training import bridge
 from training.shims import upstream_fixes
-from training.config import Config
+from training.config import Config, Fsdp
 
 
 @dataclass
@@ -38,9 +39,9 @@ class TrainState:
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """DDP(Float16Module(model)) -> model (either wrapper may be absent): our GPT, or Megatron-Core's
-    GPTModel in the benchmark."""
-    while isinstance(module, (DistributedDataParallel, Float16Module)):
+    """DDP(Float16Module(model)) or FSDP(MegatronFSDP(...)) -> model (any wrapper may be absent): our GPT, or
+    Megatron-Core's GPTModel in the benchmark."""
+    while isinstance(module, (_BaseDataParallel, Float16Module)) or type(module).__name__ == "MegatronFSDP":
         module = module.module
     return module
 
@@ -66,8 +67,19 @@ def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, 
     return chunks
 
 
-def wrap_ddp(chunks: list, config: TransformerConfig, cfg: Config) -> list:
+def wrap_ddp(chunks: list, config: TransformerConfig, cfg: Config, device: torch.device) -> list:
+    """Megatron-Core's DDP per chunk, or with parallel.fsdp its Megatron-FSDP adapter: ZeRO-3 gathers each
+    TransformerLayer's parameters when it runs (the FSDP unit) and frees them after; ZeRO-2 keeps them."""
     ddp_config = bridge.ddp_config(cfg)
+    if bridge.uses_fsdp(cfg):
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        from models.layer import TransformerLayer
+
+        units = [TransformerLayer] if cfg.parallel.fsdp == Fsdp.optim_grads_params else []
+        return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, fsdp_unit_modules=units,
+                                         disable_bucketing=index > 0, device=device)
+                for index, chunk in enumerate(chunks)]
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                     # Megatron-LM: only the first chunk buckets (overlap with backward)
                                     disable_bucketing=index > 0)
@@ -79,16 +91,19 @@ def _one_or_list(hooks: list):
 
 
 def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = True, train: bool = True,
-          make_model=GPT) -> TrainState:
+          make_model=GPT, prepare=None) -> TrainState:
     """init=False skips the random init (every weight will be loaded: conversions); train=False returns
     the bare chunks without DDP's gradient buffers, optimizer or scheduler (inference, conversion);
-    make_model builds another model the same way (tools/bench.py: Megatron-Core's GPTModel)."""
+    make_model builds another model the same way (tools/bench.py: Megatron-Core's GPTModel);
+    prepare(chunks) runs on the bare chunks before DDP / FSDP takes them (tests load weights there)."""
     config = bridge.transformer_config(cfg, shape)
     config.perform_initialization = init
     chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model)
+    if prepare is not None:
+        prepare(chunks)
     if not train:
         return TrainState(model=chunks, optimizer=None, scheduler=None, config=config, shape=shape)
-    model = wrap_ddp(chunks, config, cfg)
+    model = wrap_ddp(chunks, config, cfg, device)
     optimizer = get_megatron_optimizer(bridge.optimizer_config(cfg), model)
     scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))
 

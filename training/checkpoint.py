@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from models.shape import WEIGHTS, ModelShape
 from training.build import TrainState, unwrap
+from training import fsdp_checkpoint
+from training.bridge import uses_fsdp
 from training.config import Config, ModelConfig, to_config
 from training.dist import print0
 from training.errors import TemplateError
@@ -159,9 +161,13 @@ def save(cfg: Config, state: TrainState, iteration: int, consumed_samples: int, 
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         dist.barrier()
-        sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only)
-        sharded["iteration"], sharded["consumed_samples"] = iteration, consumed_samples
-        dist_checkpointing.save(sharded, str(path), verify_integrity=True)
+        if uses_fsdp(cfg):  # Megatron-FSDP's DTensors: the fsdp_dtensor layout through torch DCP
+            fsdp_checkpoint.save(state, path, _rng_state(), {"iteration": iteration,
+                                                             "consumed_samples": consumed_samples})
+        else:
+            sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only)
+            sharded["iteration"], sharded["consumed_samples"] = iteration, consumed_samples
+            dist_checkpointing.save(sharded, str(path), verify_integrity=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - OSError (ENOSPC, EIO) or DCP's wrapper
         failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     failed = torch.tensor([float(failure is not None)])
@@ -306,6 +312,8 @@ def maybe_load(cfg: Config, state: TrainState, announce=print0) -> Start:
     if not weights_only and run.get("weights_only"):
         raise CheckpointError(f"checkpoint {path} holds weights only (an import or conversion): load it with "
                               f"checkpoint.finetune=true")
+    if uses_fsdp(cfg) or fsdp_checkpoint.is_fsdp_checkpoint(path):
+        return fsdp_checkpoint.load_into_run(cfg, state, path, run, weights_only, announce)
     if not weights_only:
         check_same_optimizer(cfg, run, path)
     same_layout = {k: run["layout"][k] for k in ("tp", "pp")} == {k: _layout()[k] for k in ("tp", "pp")}

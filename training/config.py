@@ -54,6 +54,12 @@ class Precision(StrEnum):
     bf16 = "bf16"  # bf16 params/activations, fp32 main params and grads
 
 
+class Fsdp(StrEnum):
+    none = "none"  # DDP (+ the distributed optimizer with parallel.dist_opt: ZeRO-1)
+    optim_grads = "optim_grads"  # ZeRO-2: Megatron-FSDP shards gradients and optimizer state over DP
+    optim_grads_params = "optim_grads_params"  # ZeRO-3: also the parameters, gathered per layer when used
+
+
 class OnSaveError(StrEnum):
     stop = "stop"  # a failed save ends the run (with an error naming it); the last checkpoint stays latest
     warn = "warn"  # say so and train on; the next save tries again
@@ -120,6 +126,7 @@ class ParallelConfig:
     ep: int = 1  # expert parallel size: MoE experts split over ranks of the data-parallel group (all-to-all)
     etp: int = 1  # expert tensor parallel size: each expert's FFN split over this many ranks
     dist_opt: bool = False  # distributed optimizer: shard fp32 main params + Adam state across DP ranks
+    fsdp: Fsdp = Fsdp.none  # Megatron-FSDP: optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3); sets dist_opt
     overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward (bucketed)
     overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather with forward
     bucket_size: Optional[int] = None  # DDP bucket size in elements; null = Megatron-Core's default
@@ -209,10 +216,13 @@ def to_config(cfg: Any) -> Config:
     if isinstance(cfg, Config):
         return cfg
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    return OmegaConf.to_object(merged)
+    config = OmegaConf.to_object(merged)
+    if config.parallel.fsdp != Fsdp.none:  # Megatron-FSDP shards through the distributed optimizer
+        config.parallel.dist_opt = True
+    return config
 
 
-__all__ = ["Activation", "DecayStyle", "Dispatcher", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction",
+__all__ = ["Activation", "DecayStyle", "Dispatcher", "Fsdp", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction",
            "Normalization", "PositionEmbedding", "Precision",
            "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "register", "to_config"]

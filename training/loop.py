@@ -15,7 +15,8 @@ from pathlib import Path
 from models.gpt import flops_per_token
 from models.shape import ModelShape
 from models.spec import extra_stats
-from training import checkpoint, dist as D
+from training import checkpoint, dist as D, fsdp_checkpoint
+from training.bridge import uses_fsdp
 from training.build import build
 from training.config import Config
 from training.data import build_datasets, micro_batch_streams, reads_data, resolve_vocab_size
@@ -44,6 +45,8 @@ def train_dataset_size(cfg: Config, start: checkpoint.Start) -> int:
 
 def run(cfg: Config, derived: Derived, run_dir: str | Path) -> dict:
     p = cfg.parallel
+    if uses_fsdp(cfg) and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":  # before CUDA starts
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"  # Megatron-FSDP overlaps its gathers on other queues
     with D.distributed(**D.layout_of(cfg)) as info:
         stopper = Stopper(cfg)  # signal handlers first: a SIGTERM during setup still stops cleanly
         tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -52,7 +55,7 @@ def run(cfg: Config, derived: Derived, run_dir: str | Path) -> dict:
             raise ConfigError(f"extra losses {sorted(clash)} (the blocks' `extra_losses`) are metrics keys: "
                               f"rename them")
         preflight(cfg, derived, shape, info.device, run_dir)  # memory estimate; stops if it cannot fit
-        state = build(cfg, shape, info.device)
+        state = build(cfg, shape, info.device, prepare=fsdp_checkpoint.fsdp_weights_loader(cfg))
         start = checkpoint.maybe_load(cfg, state)
         iteration, consumed = start.iteration, start.consumed_samples
         saved_at = iteration if start.resumed else None  # the iteration already on disk

@@ -21,7 +21,8 @@ import torch
 # What DCP's .metadata pickle may name: its own dataclasses, and torch's dtype / Size / layout helpers.
 _INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _INDEX_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("pathlib", "PosixPath")}  # DCP's own saves record the directory (checkpoint_id) as a path
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):

@@ -65,13 +65,23 @@ def run_schedule(state: TrainState, streams, derived: Derived, cfg: Config, forw
         micro_batch_size=cfg.train.micro_batch_size, forward_only=forward_only)
 
 
+def grad_buffers(chunk) -> list[torch.Tensor]:
+    """A wrapped chunk's gradients: DDP's flat dense and expert buffers, or Megatron-FSDP's parameters' pieces
+    in this rank's shard of each group's buffer (its padding is never written: not read)."""
+    if hasattr(chunk, "expert_parallel_buffers"):  # DistributedDataParallel
+        return [buffer.grad_data for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers)]
+    buffers = [group.main_grad_buffer for group in chunk.param_and_grad_buffer.parameter_groups
+               if group.main_grad_buffer is not None]  # FullyShardedDataParallel
+    return [buffer.get_item(item) for buffer in buffers for item in buffer.item_index_map]
+
+
 def nonfinite_grad_ranks(state: TrainState, device: torch.device) -> list[int]:
-    """The ranks whose gradient buffers (dense and expert, as finalize_model_grads left them) hold a NaN or
-    Inf; one all-reduce, the same answer on every rank."""
+    """The ranks whose gradient buffers (as finalize_model_grads left them) hold a NaN or Inf; one
+    all-reduce, the same answer on every rank."""
     bad = torch.zeros(dist.get_world_size(), device=device)
     for chunk in state.model:
-        for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers):
-            bad[dist.get_rank()] += (~torch.isfinite(buffer.grad_data)).any()
+        for grads in grad_buffers(chunk):
+            bad[dist.get_rank()] += (~torch.isfinite(grads)).any()
     dist.all_reduce(bad)
     return bad.nonzero().flatten().tolist()
 

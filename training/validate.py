@@ -108,7 +108,7 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     need(m.make_vocab_size_divisible_by >= 1,
          f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
 
-    out += moe_problems(cfg, shape, world_size) + cp_problems(cfg)
+    out += moe_problems(cfg, shape, world_size) + cp_problems(cfg) + fsdp_problems(cfg)
     if world_size % (tp * pp * cp) == 0:
         dp = world_size // (tp * pp * cp)
         per_step = t.micro_batch_size * dp
@@ -215,6 +215,19 @@ def cp_problems(cfg: Config) -> list[str]:
     if m.moe.num_experts:
         out.append(f"parallel.cp={p.cp} with a mixture of experts is not supported here yet: use parallel.cp=1")
     return out
+
+
+def fsdp_problems(cfg: Config) -> list[str]:
+    """Megatron-FSDP (parallel.fsdp) where this template has tested it: TP (+SP) x DP, dense models."""
+    m, p = cfg.model, cfg.parallel
+    if p.fsdp == "none":
+        return []
+    others = [f"parallel.{k}={v}" for k, v in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)) if v > 1]
+    others += ["model.moe.num_experts"] if m.moe.num_experts else []
+    if others:
+        return [f"parallel.fsdp={p.fsdp} is tested here with TP, SP and DP only: drop {', '.join(others)} (or use "
+                f"parallel.fsdp=none with parallel.dist_opt=true)"]
+    return []
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Derived:

@@ -40,9 +40,13 @@ The patches, narrowest first:
    `_reduce_scatter_along_first_dim` with split sizes), which gloo refuses (`invalid tensor size`). In
    mappings' namespace, those calls pad to the largest block and all-gather, or all-reduce and slice;
    calls without split sizes are Megatron-Core's own.
+7. Megatron-FSDP (parallel.fsdp) builds `torch.device(f"cuda:{torch.cuda.current_device()}")` (megatron_fsdp.py
+   232-234, which reads "cuda:cpu" here) and its adapter makes `DeviceMesh.from_group(..., device_type="cuda")`
+   (mcore_fsdp_adapter.py 407-449): megatron.core's `torch.device` maps CUDA spellings to the CPU (isinstance
+   still sees torch.device), and the adapter's DeviceMesh is built on "cpu".
 
 What this module does not cover (not reached by a training step on CPU): TE/apex kernels, CUDA graphs,
-`torch.autocast("cuda")` (keep `enable_autocast` off), FSDP, inference, the grad scaler (fp16 only; we
+`torch.autocast("cuda")` (keep `enable_autocast` off), torch FSDP2, inference, the grad scaler (fp16 only; we
 train fp32/bf16). The torch.compile'd fusions need no patch (model.fused_kernels=true runs on CPU, tested).
 """
 
@@ -213,12 +217,46 @@ _FACTORIES = (
 )
 
 
+class _DeviceOnCpu(type):
+    """`torch.device` as megatron.core sees it (patch 7): a CUDA spelling ("cuda", "cuda:0", and the
+    f"cuda:{torch.cuda.current_device()}" that reads "cuda:cpu" here) builds the CPU device; isinstance
+    checks still see torch.device."""
+
+    def __call__(cls, *args, **kwargs):
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return _CPU
+        return torch.device(*args, **kwargs)
+
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, torch.device)
+
+
+class _Device(metaclass=_DeviceOnCpu):
+    pass
+
+
+class _DeviceMeshOnCpu:
+    """torch's DeviceMesh for megatron.core's FSDP adapter (patch 7): its hard-coded device_type="cuda"
+    becomes "cpu", so the mesh's groups are the gloo ones."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed.DeviceMesh, name)
+
+    @staticmethod
+    def from_group(*args, device_type: str = "cuda", **kwargs):
+        return torch.distributed.DeviceMesh.from_group(*args, device_type="cpu", **kwargs)
+
+    def __call__(self, device_type, *args, **kwargs):
+        return torch.distributed.DeviceMesh("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
 class _TorchOnCpu(types.ModuleType):
     """`torch` as megatron.core modules see it: torch itself, but CUDA placement resolves to the CPU."""
 
     def __init__(self):
         super().__init__("torch (megatron-core on cpu)")
         self.cuda = _CudaOnCpu()
+        self.device = _Device
         for name in _FACTORIES:
             setattr(self, name, _cpu_factory(getattr(torch, name)))
 
@@ -346,5 +384,9 @@ def apply() -> bool:
     mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
     torch.Tensor.type = _tensor_type
     torch.Tensor.cuda = _tensor_cuda
+    with contextlib.suppress(ImportError):  # Megatron-FSDP (parallel.fsdp); its adapter imports einops
+        import megatron.core.distributed.fsdp.mcore_fsdp_adapter as fsdp_adapter
+
+        fsdp_adapter.DeviceMesh = _DeviceMeshOnCpu()
     _applied = True
     return True

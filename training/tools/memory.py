@@ -7,7 +7,11 @@ layouts with it; training/tools/preflight.py stops a run that cannot fit).
 Weights + gradients + optimizer state, per parameter on one GPU: bf16 params, fp32 gradients
 (bridge.ddp_config sets grad_reduce_in_fp32) and Adam's fp32 main params, exp_avg and exp_avg_sq:
 2 + 4 + 12 = 18 bytes; the distributed optimizer shards the 12 over DP: 6 + 12/dp. fp32 runs have no
-separate main copy: 4 + 4 + 8 = 16, or 8 + 8/dp. Parameters are counted from the real shapes of models/
+separate main copy: 4 + 4 + 8 = 16, or 8 + 8/dp. Megatron-FSDP (parallel.fsdp) keeps the model weights
+(bf16 or fp32, p bytes), fp32 main weights, fp32 gradients and Adam's moments in buffers sharded over DP:
+ZeRO-2 (optim_grads) p + 16/dp, ZeRO-3 (optim_grads_params) (p + 16)/dp, plus, measured on 0.19.2, an
+unsharded copy of the model weights it gathers after each optimizer step for the next forward and keeps
+(p more: 11 bytes in bf16 at dp 2, against DDP's 18). Parameters are counted from the real shapes of models/
 (models.gpt.num_params: each block declares its own count, and a test checks the sum against the built
 model for every preset).
 
@@ -47,11 +51,13 @@ class Layout:
     ep: int = 1  # expert parallel (MoE)
     etp: int = 1  # expert tensor parallel (MoE)
     cp: int = 1  # context parallel: each rank holds seq/cp tokens of every sequence
+    fsdp: str = "none"  # Megatron-FSDP: none | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
 
     @classmethod
     def of(cls, cfg: Config, dp: int) -> Layout:
         p = cfg.parallel
-        return cls(p.tp, p.pp, p.vpp, dp, p.sp, p.dist_opt, str(cfg.model.recompute), p.ep, p.etp, p.cp)
+        return cls(p.tp, p.pp, p.vpp, dp, p.sp, p.dist_opt, str(cfg.model.recompute), p.ep, p.etp, p.cp,
+                   str(p.fsdp))
 
     @property
     def edp(self) -> int:
@@ -61,8 +67,9 @@ class Layout:
     def describe(self) -> str:
         experts = f" ep {self.ep} etp {self.etp}" if self.ep * self.etp > 1 else ""
         context = f" cp {self.cp}" if self.cp > 1 else ""
+        sharding = f"fsdp {self.fsdp}" if self.fsdp != "none" else f"dist_opt {'on' if self.dist_opt else 'off'}"
         return (f"tp {self.tp} pp {self.pp} vpp {self.vpp or '-'}{context} dp {self.dp}{experts} "
-                f"sp {'on' if self.sp else 'off'} dist_opt {'on' if self.dist_opt else 'off'} "
+                f"sp {'on' if self.sp else 'off'} {sharding} "
                 f"recompute {self.recompute}")
 
 
@@ -90,7 +97,10 @@ class Estimate:
                 f"{self.stage} ({self.params_per_gpu / 1e6:,.1f} M of {self.params_total / 1e6:,.1f} M parameters)")
 
 
-def bytes_per_param(precision: str, dist_opt: bool, dp: int) -> float:
+def bytes_per_param(precision: str, dist_opt: bool, dp: int, fsdp: str = "none") -> float:
+    if fsdp != "none":  # model weights p, fp32 main weights, grads and moments: 4 + 4 + 8, sharded (module doc)
+        p = 2 if precision == "bf16" else 4
+        return p + 16 / dp if fsdp == "optim_grads" else (p + 16) / dp + p
     param, grad, optimizer = (2, 4, 12) if precision == "bf16" else (4, 4, 8)
     return param + grad + optimizer / (dp if dist_opt else 1)
 
@@ -188,7 +198,7 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int,
         params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp)
         experts = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, experts_only=True)
         # the distributed optimizer shards dense state over DP x CP, expert state over the expert-DP group
-        weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.dp * lay.cp) + \
+        weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.dp * lay.cp, lay.fsdp) + \
             experts * bytes_per_param(precision, lay.dist_opt, lay.edp)
         candidate = Estimate(lay, num_params(shape), params, stage, weights,
                              stage_activations(cfg, shape, lay, num_microbatches, stage, flash_attention))
