@@ -27,6 +27,17 @@ def _train(overrides: list[str], run_dir: str) -> dict:
     return run(cfg, validate(cfg), run_dir)
 
 
+def train_catching(overrides: list[str], run_dir: str) -> str:
+    """_train on one rank: "finished", or "error: <the one-line message>" of the template's own error."""
+    from training.errors import TemplateError
+
+    try:
+        _train(overrides, run_dir)
+        return "finished"
+    except TemplateError as err:
+        return f"error: {err}"
+
+
 def train(overrides: list[str], world_size: int, run_dir: Path, timeout: float = 300.0) -> dict[int, float]:
     """Train; returns {iteration: loss} from the run's metrics.jsonl."""
     run_distributed(_train, world_size, (QUICK + list(overrides), str(run_dir)), timeout=timeout)

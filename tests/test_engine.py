@@ -5,17 +5,7 @@ import json
 import pytest
 
 from harness import run_distributed
-from runs import QUICK, _train
-
-
-def _train_catching(overrides: list[str], run_dir: str) -> str:
-    from training.errors import TemplateError
-
-    try:
-        _train(overrides, run_dir)
-        return "finished"
-    except TemplateError as err:
-        return f"error: {err}"
+from runs import QUICK, _train, train_catching
 
 
 # A learning rate this large without clipping blows the weights up within a few steps.
@@ -24,7 +14,7 @@ EXPLODE = ["optim.lr=1e6", "optim.min_lr=0", "optim.warmup_iters=0", "optim.clip
 
 
 def test_nan_loss_stops_with_a_clear_message(tmp_path):
-    (result,) = run_distributed(_train_catching, 1, (QUICK + EXPLODE, str(tmp_path)), timeout=300)
+    (result,) = run_distributed(train_catching, 1, (QUICK + EXPLODE, str(tmp_path)), timeout=300)
     # the exploding weights give an Inf gradient first (caught before the update), or a NaN / Inf loss
     assert result.startswith(("error: loss is nan", "error: loss is inf",
                               "error: the gradients are not finite (NaN/Inf) on rank 0")), result
@@ -32,7 +22,7 @@ def test_nan_loss_stops_with_a_clear_message(tmp_path):
 
 
 def test_nan_loss_is_skipped_by_policy(tmp_path):
-    (result,) = run_distributed(_train_catching, 1, (QUICK + EXPLODE + ["train.nan_policy=skip"], str(tmp_path)),
+    (result,) = run_distributed(train_catching, 1, (QUICK + EXPLODE + ["train.nan_policy=skip"], str(tmp_path)),
                                 timeout=300)
     assert result == "finished"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import run_distributed
-from runs import QUICK, losses
+from runs import QUICK, losses, train_catching
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = ["model.mlp=blocks:FaultyMLP"]
@@ -98,17 +98,6 @@ def test_sigterm_to_the_launcher_stops_with_a_checkpoint_and_one_line(tmp_path):
     assert stopped_at == max(losses(tmp_path))
 
 
-def _train_catching(overrides: list[str], run_dir: str) -> str:
-    from runs import _train
-    from training.errors import TemplateError
-
-    try:
-        _train(overrides, run_dir)
-        return "finished"
-    except TemplateError as err:
-        return f"error: {err}"
-
-
 NAN = FAULTY + ["train.iters=6", "train.save_interval=2", "checkpoint.keep=0"]
 
 
@@ -116,7 +105,7 @@ NAN = FAULTY + ["train.iters=6", "train.save_interval=2", "checkpoint.keep=0"]
 def test_a_nan_gradient_on_one_rank_never_reaches_the_weights(policy, tmp_path, monkeypatch):
     monkeypatch.setenv("FAULT", "nan")
     monkeypatch.setenv("FAULT_AT", IN_STEP_4)
-    results = run_distributed(_train_catching, 2, (QUICK + NAN + [f"train.nan_policy={policy}"], str(tmp_path)),
+    results = run_distributed(train_catching, 2, (QUICK + NAN + [f"train.nan_policy={policy}"], str(tmp_path)),
                               timeout=300)
     checkpoints = tmp_path / "checkpoints"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -164,7 +153,7 @@ def _save_failing(overrides: list[str], run_dir: str) -> str:
         return real(*args, **kwargs)
 
     checkpoint.dist_checkpointing.save = save
-    return _train_catching(overrides, run_dir)
+    return train_catching(overrides, run_dir)
 
 
 @pytest.mark.parametrize("policy", ["stop", "warn"])
@@ -202,7 +191,7 @@ def _plant_and_load(run_dir: str, marker: str) -> str:
     checkpoint._rng_state = lambda: {**real(), "payload": _Payload(marker)}
     _train(QUICK + ["train.iters=2"], run_dir)
     checkpoint._rng_state = real
-    return _train_catching(QUICK + ["train.iters=4"], run_dir)
+    return train_catching(QUICK + ["train.iters=4"], run_dir)
 
 
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):

@@ -18,7 +18,7 @@ import torch
 
 from harness import run_distributed
 from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
-from runs import QUICK, train
+from runs import QUICK, train, train_catching
 
 RTOL, BF16_RTOL, STEPS = 1e-5, 1e-3, 4
 NO_WARMUP = ["optim.warmup_iters=0", "train.micro_batch_size=1"]
@@ -78,17 +78,6 @@ def test_fsdp_matches_single_process(case, runs):
 SAVE_AT_3 = ["train.iters=6", "train.save_interval=3", "checkpoint.keep=0", "train.micro_batch_size=1"]
 
 
-def _train_catching(overrides: list[str], run_dir: str) -> str:
-    from runs import _train
-    from training.errors import TemplateError
-
-    try:
-        _train(overrides, run_dir)
-        return "finished"
-    except TemplateError as err:
-        return f"error: {err}"
-
-
 def test_fsdp_resumes_exactly_reshards_over_dp_and_refuses_the_other_format(tmp_path):
     zero3 = ["parallel.fsdp=optim_grads_params"]
     full = train(SAVE_AT_3 + zero3, 2, tmp_path / "full")
@@ -100,13 +89,13 @@ def test_fsdp_resumes_exactly_reshards_over_dp_and_refuses_the_other_format(tmp_
     one = train(SAVE_AT_3 + ["parallel.fsdp=optim_grads", f"checkpoint.load={ckpt}"], 1, tmp_path / "one")
     assert one == pytest.approx({i: full[i] for i in one}, rel=RTOL)
 
-    (ddp,) = run_distributed(_train_catching, 1, (QUICK + SAVE_AT_3 + [f"checkpoint.load={ckpt}"],
+    (ddp,) = run_distributed(train_catching, 1, (QUICK + SAVE_AT_3 + [f"checkpoint.load={ckpt}"],
                                                   str(tmp_path / "ddp")), timeout=300)
     assert ddp.startswith(f"error: checkpoint {ckpt} was saved with parallel.fsdp=optim_grads_params but this run "
                           f"has parallel.fsdp=none") and "\n" not in ddp
     train(["train.iters=1", "checkpoint.keep=0"], 1, tmp_path / "plain")  # a DDP checkpoint
     plain = tmp_path / "plain" / "checkpoints" / "iter_0000001"
-    (fsdp,) = run_distributed(_train_catching, 1, (QUICK + SAVE_AT_3 + zero3 + [f"checkpoint.load={plain}"],
+    (fsdp,) = run_distributed(train_catching, 1, (QUICK + SAVE_AT_3 + zero3 + [f"checkpoint.load={plain}"],
                                                    str(tmp_path / "fsdp")), timeout=300)
     assert fsdp.startswith(f"error: checkpoint {plain} was saved with parallel.fsdp=none but this run has "
                            f"parallel.fsdp=optim_grads_params") and "\n" not in fsdp
