@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.errors import ConfigError, exit_on_error  # noqa: E402
 from training.shims.noise import quiet_known_noise  # noqa: E402
+from training.tools.local_launch import run_local  # noqa: E402
 
 
 def parse_args(argv):
@@ -131,32 +132,11 @@ def run(args) -> None:
                   f"{cfg.model.name})", flush=True)
 
 
-def _worker(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if code := exit_on_error(run, args):
-        raise SystemExit(code)
-
-
 def main(argv=None) -> int:
-    from training.net import free_port
-
     args = parse_args(argv)
     if code := exit_on_error(check, args):
         return code
-    if "RANK" in os.environ:  # torchrun
-        return exit_on_error(run, args)
-    if args.nproc == 1:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-        return exit_on_error(run, args)
-    import torch.multiprocessing as mp
-
-    try:
-        mp.start_processes(_worker, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="spawn")
-    except mp.ProcessExitedException as error:  # a worker's SystemExit (its error is printed already)
-        return error.exit_code or 1
-    return 0
+    return run_local(run, args, args.nproc)
 
 
 if __name__ == "__main__":  # the guard matters: spawned workers re-import this file
