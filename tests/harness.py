@@ -10,9 +10,12 @@ the remaining ranks are killed and the test fails with each failing rank's trace
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 
@@ -25,7 +28,10 @@ from training.net import free_port
 WORKER_COLLECTIVE_TIMEOUT_MIN = 2.0
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, fn, args, results, crash_dir):
+    # a rank killed by a signal (SIGSEGV, SIGABRT) leaves its Python stacks here for the parent's report
+    crash_log = open(os.path.join(crash_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(crash_log, all_threads=True)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -41,12 +47,21 @@ def _worker(rank, world_size, port, fn, args, results):
         results.put((rank, False, traceback.format_exc()))
 
 
+def _crash_stacks(crash_dir: str, rank: int) -> str:
+    try:
+        with open(os.path.join(crash_dir, f"rank{rank}.txt")) as f:
+            return f.read()[-20000:]
+    except OSError:
+        return ""
+
+
 def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 180.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    crash_dir = tempfile.mkdtemp(prefix="harness-")
     # not daemonic: dist_checkpointing.save starts a multiprocessing manager (a child process)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, crash_dir), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -63,7 +78,8 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 180.
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes
                         and p.exitcode not in (None, 0)]
                 for r in dead:
-                    outcomes[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}")
+                    outcomes[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}\n"
+                                          + _crash_stacks(crash_dir, r))
             if time.monotonic() > deadline:
                 break
     finally:
@@ -72,6 +88,7 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 180.
             if p.is_alive():
                 p.kill()
                 p.join()
+    shutil.rmtree(crash_dir, ignore_errors=True)
     failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
     missing = [r for r in range(world_size) if r not in outcomes]
     if missing:

@@ -72,16 +72,84 @@ def test_mcore_gptmodel_computes_the_same_loss_and_update_from_the_same_weights(
         assert r["ours"][1][0] != r["ours"][0][0], "the second step must see updated weights"
 
 
-def test_bench_tool_smoke_compare_json():
+HF_OVERRIDES = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+                "model.ffn_hidden_size=96", "model.seq_length=16", f"model.vocab_size={VOCAB}",
+                "model.make_vocab_size_divisible_by=1", "train.micro_batch_size=2", "train.global_batch_size=4",
+                "checkpoint=none", "train.tensorboard=false", "optim.warmup_iters=2", "train.iters=5"]
+
+
+ADAM_RTOL = 1e-4
+
+
+def _ours_and_hf(steps: int) -> dict:
+    """Ours and transformers' Llama from the same weights, `steps` training steps each: losses, grad norms,
+    learning rates, and the weights after (ours in HF names)."""
+    from models.gpt import to_hf
+    from models.shape import ModelShape
+    from training import dist as D
+    from training.build import build, unwrap
+    from training.compose import compose
+    from training.step import train_step
+    from training.tools import bench_hf, benchmark as bm, hf
+    from training.validate import validate
+
+    cfg = compose(HF_OVERRIDES)
+    derived = validate(cfg)
+    with D.distributed(timeout_minutes=2) as info:
+        ours = build(cfg, ModelShape.of(cfg.model, VOCAB), info.device)
+        side = bench_hf.build_hf(ours, cfg, info.device)
+        batch = bm.synthetic_batch(cfg, VOCAB)
+        streams, micro = bm.batch_streams(ours, batch, cfg), bench_hf.micro_batches(batch, 2, info.device)
+        out = {"ours": [], "hf": [], "ours_grads": None}
+        for _ in range(steps):
+            r = train_step(ours, streams(), derived, cfg, info.device)
+            out["ours"].append((r.loss, r.grad_norm, ours.optimizer.param_groups[0]["lr"]))
+            lr = side.optimizer.param_groups[0]["lr"]  # the lr this step used (the scheduler steps after it)
+            out["hf"].append((*bench_hf.hf_train_step(side, micro), lr))
+            if not out["ours_grads"]:  # the first step's gradients, before any update
+                params = dict(unwrap(ours.model[0]).named_parameters())
+                out["ours_grads"] = {n: g.clone() for n, g in to_hf(lambda n: params[n].main_grad,
+                                                                     ours.config, ours.shape)}
+                out["hf_grads"] = {n: p.grad.clone() for n, p in side.model.named_parameters()}
+        out["ours_weights"] = {name: t.clone() for name, t in hf.hf_tensors(ours)}
+        out["hf_weights"] = {n: p.detach().clone() for n, p in side.model.named_parameters()}
+    return out
+
+
+def test_hf_llama_with_plain_adamw_takes_the_same_steps():
+    """--compare-hf times equal work: every step's loss, grad norm and learning rate, and the first step's
+    gradients equal to 1e-5; the weights after the updates (warmup from lr 0, then cosine decay; clipping and
+    weight decay on) to 1e-4 (Adam, below)."""
+    (r,) = run_distributed(_ours_and_hf, world_size=1, args=(4,), timeout=120)
+    for step, ((loss, norm, lr), (ref_loss, ref_norm, ref_lr)) in enumerate(zip(r["ours"], r["hf"])):
+        assert loss == pytest.approx(ref_loss, rel=RTOL), (step, r["ours"], r["hf"])
+        assert norm == pytest.approx(ref_norm, rel=RTOL), (step, r["ours"], r["hf"])
+    # lr of the step before the scheduler stepped it: ours reads it after, so ours[k] is hf[k + 1]
+    assert [lr for *_, lr in r["ours"][:-1]] == pytest.approx([lr for *_, lr in r["hf"][1:]], rel=1e-12)
+    assert r["hf"][0][2] == 0.0 and r["hf"][2][2] > 0  # warmup starts at 0, as Megatron-Core's scheduler does
+    assert len({loss for loss, *_ in r["ours"]}) == 3, "steps 2-4 must see updated weights (step 1 has lr 0)"
+    assert set(r["ours_weights"]) == set(r["hf_weights"]) == set(r["ours_grads"]) == set(r["hf_grads"])
+    for name, ref in r["hf_grads"].items():  # measured <= 4.5e-7
+        diff = (r["ours_grads"][name] - ref).abs().max() / ref.abs().max()
+        assert diff <= RTOL, ("gradient", name, float(diff))
+    # Adam divides each gradient element by its own RMS, so an element whose gradient is small in its tensor
+    # keeps its last-bit difference as an O(lr) step: the weights after 3 updates measured <= 3.4e-5 apart
+    for name, ref in r["hf_weights"].items():
+        diff = (r["ours_weights"][name] - ref).abs().max() / ref.abs().max()
+        assert diff <= ADAM_RTOL, ("weight", name, float(diff))
+
+
+@pytest.mark.parametrize("other", ["mcore", "hf"])
+def test_bench_tool_smoke_compare_json(other):
     proc = subprocess.run(
-        [sys.executable, "tools/bench.py", "--compare-mcore", "--json", "--breakdown", "--threads", "1",
+        [sys.executable, "tools/bench.py", f"--compare-{other}", "--json", "--breakdown", "--threads", "1",
          "--warmup", "1", "--steps", "1", "--windows", "2", "model.num_layers=2", "model.seq_length=32",
          "train.micro_batch_size=2", "train.global_batch_size=4"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"ours_s", "mcore_s", "ratio", "tokens_per_s", "tflops_per_device", "mfu", "mem_gb"} <= set(result)
-    assert result["ours_s"] > 0 and result["mcore_s"] > 0 and result["ratio"] > 0
+    assert {"ours_s", f"{other}_s", "ratio", "tokens_per_s", "tflops_per_device", "mfu", "mem_gb"} <= set(result)
+    assert result["ours_s"] > 0 and result[f"{other}_s"] > 0 and result["ratio"] > 0
     assert len(result["window_ratios"]) == 2
     assert result["vocab"] == result["padded_vocab"] == 384  # byte vocabulary 257, padded for both models
     assert result["loss_rel_diff"] <= RTOL

@@ -45,7 +45,10 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the training config")
-    ap.add_argument("--compare-mcore", action="store_true", help="also time Megatron-Core's GPTModel, A B A B")
+    versus = ap.add_mutually_exclusive_group()
+    versus.add_argument("--compare-mcore", action="store_true", help="also time Megatron-Core's GPTModel, A B A B")
+    versus.add_argument("--compare-hf", action="store_true",
+                        help="also time transformers' LlamaForCausalLM with plain AdamW, A B A B (one process, fp32)")
     ap.add_argument("--te", action="store_true", help="Megatron-Core side: Transformer Engine spec (needs TE)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per model first (allocator, caches)")
@@ -92,7 +95,7 @@ def measure(args) -> dict:
     with D.distributed(**D.layout_of(cfg)) as info:
         device = info.device
         shape = ModelShape.of(m, m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size)
-        if args.compare_mcore:  # equal work: no padded (masked) vocabulary rows in either model
+        if args.compare_mcore or args.compare_hf:  # equal work: no padded (masked) vocabulary rows in either model
             shape = ModelShape.of(m, shape.padded_vocab(p.tp))
         vocab = shape.vocab_size
         ours = build(cfg, shape, device)
@@ -141,6 +144,8 @@ def measure(args) -> dict:
             if args.profile:
                 print(f"--- Megatron-Core GPTModel: top {args.profile} ops of 3 steps ---\n"
                       f"{profile_table(run_mcore, args.profile)}", file=sys.stderr)
+        elif args.compare_hf:
+            result.update(compare_hf(args, cfg, ours, batch, device, run_ours, loss_of(ours, ours_streams)))
         else:
             result["ours_steps_s"] = run_ours(args.windows * args.steps)
             result["ours_s"] = statistics.median(result["ours_steps_s"])
@@ -155,6 +160,29 @@ def measure(args) -> dict:
             print(f"--- ours: top {args.profile} ops of 3 steps ---\n{profile_table(run_ours, args.profile)}",
                   file=sys.stderr)
         return result
+
+
+def compare_hf(args, cfg, ours, batch, device, run_ours, loss_ours: float) -> dict:
+    """transformers' LlamaForCausalLM at our shape and weights: its loss on the batch, then A B A B windows."""
+    from training.errors import ConfigError
+    from training.tools import bench_hf
+    from training.tools import benchmark as bm
+
+    p = cfg.parallel
+    if p.tp * p.pp * p.cp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("--compare-hf runs one process (transformers' model is not tensor/pipeline/context "
+                          "parallel): drop --nproc and the parallel.* overrides")
+    side = bench_hf.build_hf(ours, cfg, device)
+    micro = bench_hf.micro_batches(batch, cfg.train.micro_batch_size, device)
+    out = {"loss_ours": loss_ours, "loss_hf": bench_hf.hf_loss(side, micro)}
+    out["loss_rel_diff"] = abs(out["loss_ours"] - out["loss_hf"]) / abs(out["loss_hf"])
+
+    def run_hf(n):
+        return bench_hf.time_hf_steps(side, micro, device, n)
+
+    run_hf(args.warmup)
+    out.update(bm.paired_windows(run_ours, run_hf, args.windows, args.steps, other="hf"))
+    return out
 
 
 def report(result: dict) -> str:
@@ -172,6 +200,13 @@ def report(result: dict) -> str:
         lines.append(f"ratio ours/mcore {r['ratio']:.3f} (median of {len(r['window_ratios'])} paired windows of "
                      f"{r['steps']} step(s); quartiles {q[0]:.3f}-{q[2]:.3f}; fastest/fastest {r['ratio_min']:.3f})")
         lines.append(f"loss on the batch: ours {r['loss_ours']:.6f}, mcore {r['loss_mcore']:.6f} "
+                     f"(rel diff {r['loss_rel_diff']:.1e})")
+    if "hf_s" in r:
+        q = statistics.quantiles(r["window_ratios"], n=4) if len(r["window_ratios"]) > 1 else [r["ratio"]] * 3
+        lines.append(f"hf   : {1e3 * r['hf_s']:.1f} ms/step (transformers LlamaForCausalLM, SDPA, torch AdamW)")
+        lines.append(f"ratio ours/hf {r['ratio']:.3f} (median of {len(r['window_ratios'])} paired windows of "
+                     f"{r['steps']} step(s); quartiles {q[0]:.3f}-{q[2]:.3f}; fastest/fastest {r['ratio_min']:.3f})")
+        lines.append(f"loss on the batch: ours {r['loss_ours']:.6f}, hf {r['loss_hf']:.6f} "
                      f"(rel diff {r['loss_rel_diff']:.1e})")
     if "breakdown" in r:
         b = r["breakdown"]

@@ -208,17 +208,17 @@ def breakdown(state: TrainState, make_streams, derived: Derived, cfg: Config, de
     return {"step_s": total / steps, **{f"{k}_share": v / total for k, v in parts.items()}}
 
 
-def paired_windows(a, b, windows: int, steps: int) -> dict:
+def paired_windows(a, b, windows: int, steps: int, other: str = "mcore") -> dict:
     """Alternate two step-timers A B A B ...: the medians of all their steps, and `ratio`, the median of
     the per-window ratios (a window's median A over the next window's median B), so that load from other
     processes, which changes over seconds, hits both sides of most pairs alike. `ratio_min` (fastest
-    step over fastest step) is a cross-check that is robust to such load."""
+    step over fastest step) is a cross-check that is robust to such load. `other` names B's keys (mcore_s, hf_s)."""
     a_all, b_all, ratios = [], [], []
     for _ in range(windows):
         ta, tb = a(steps), b(steps)
         a_all += ta
         b_all += tb
         ratios.append(statistics.median(ta) / statistics.median(tb))
-    return {"ours_s": statistics.median(a_all), "mcore_s": statistics.median(b_all),
+    return {"ours_s": statistics.median(a_all), f"{other}_s": statistics.median(b_all),
             "ratio": statistics.median(ratios), "window_ratios": ratios, "ratio_min": min(a_all) / min(b_all),
-            "ours_steps_s": a_all, "mcore_steps_s": b_all}
+            "ours_steps_s": a_all, f"{other}_steps_s": b_all}

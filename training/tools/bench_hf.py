@@ -1,0 +1,128 @@
+"""The plain-PyTorch side of `tools/bench.py --compare-hf`: transformers' LlamaForCausalLM (SDPA attention) at our
+model's shape, with our weights (training/tools/hf.py's mapping), trained the way a plain PyTorch loop trains it:
+`torch.optim.AdamW` (weight decay on matrices only, as Megatron-Core's optimizer groups them),
+`clip_grad_norm_`, and a LambdaLR giving the learning rate of Megatron-Core's OptimizerParamScheduler at our
+config (linear warmup from 0, then cosine / linear / constant decay to min_lr).
+
+One step = zero_grad(set_to_none), then the global batch in the same micro-batches as ours: each micro-batch's summed token cross entropy
+divided by the global batch's loss-token count, backward (gradients accumulate), clip, AdamW step, scheduler
+step (the gradients are set to None first, as our step zeroes its buffers first). The same arithmetic as our step (calculate_per_token_loss: finalize_model_grads
+divides by the token count), so the two losses and updates agree (tests/test_bench.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from training.config import Config, DecayStyle, Precision
+from training.errors import ConfigError
+from training.tools import hf
+from training.tools.benchmark import sync
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Megatron-Core's OptimizerParamScheduler.get_lr at iteration `step` for our optim config (training.bridge's
+    scheduler_kwargs: init_lr 0, lr_decay_steps = decay_iters or train.iters)."""
+    o = cfg.optim
+    decay_end = max(o.decay_iters if o.decay_iters is not None else max(cfg.train.iters, 1), o.warmup_iters + 1)
+    if o.warmup_iters > 0 and step <= o.warmup_iters:
+        return o.lr * step / o.warmup_iters
+    if o.decay_style == DecayStyle.constant:
+        return o.lr
+    if step > decay_end:
+        return o.min_lr
+    ratio = (step - o.warmup_iters) / (decay_end - o.warmup_iters)
+    coeff = 1.0 - ratio if o.decay_style == DecayStyle.linear else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return o.min_lr + coeff * (o.lr - o.min_lr)
+
+
+@dataclass
+class HFSide:
+    model: torch.nn.Module  # LlamaForCausalLM
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    cfg: Config
+
+
+def build_hf(state, cfg: Config, device: torch.device) -> HFSide:
+    """LlamaForCausalLM with the weights of our single-process model `state` (TrainState, tp = pp = 1)."""
+    import transformers
+
+    if cfg.train.precision != Precision.fp32:
+        raise ConfigError("--compare-hf runs fp32 (the HF side has no mixed-precision main weights): drop "
+                          "train.precision")
+    if state.shape.num_experts or cfg.model.hidden_dropout or cfg.model.attention_dropout:
+        raise ConfigError("--compare-hf compares a dense Llama without dropout (transformers' LlamaForCausalLM)")
+    config = hf.llama_config(state.shape, cfg.model, "fp32")
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config).to(device)
+    missing = set(model.state_dict())
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, tensor in hf.hf_tensors(state):
+            params[name].copy_(tensor)
+            missing.discard(name)
+    if state.shape.tie_embeddings:
+        missing.discard("lm_head.weight")  # the embedding's tensor
+    if missing:
+        raise RuntimeError(f"weights not copied into the HF model: {sorted(missing)}")
+    model.train()
+    o = cfg.optim
+    decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim > 1 and not n.endswith(".bias"))]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(cfg, step) / o.lr)
+    return HFSide(model, optimizer, scheduler, cfg)
+
+
+def micro_batches(batch: list[dict], micro_batch_size: int, device: torch.device) -> list[tuple]:
+    """(tokens [b, s], labels [b, s], loss mask [b, s]) per micro-batch, in our streams' order."""
+    out = []
+    for i in range(0, len(batch), micro_batch_size):
+        rows = batch[i:i + micro_batch_size]
+        out.append(tuple(torch.stack([r[k] for r in rows]).to(device) for k in ("tokens", "labels", "loss_mask")))
+    return out
+
+
+def hf_train_step(side: HFSide, micro: list[tuple]) -> tuple[float, float]:
+    """One optimizer step over the micro-batches; returns (global token-mean loss, grad norm before clipping)."""
+    side.optimizer.zero_grad(set_to_none=True)
+    total_tokens = sum(mask.sum() for _, _, mask in micro)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=total_tokens.device)
+    for tokens, labels, mask in micro:
+        logits = side.model(input_ids=tokens).logits  # [b, s, V]
+        per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")  # [b*s]
+        micro_sum = (per_token * mask.flatten()).sum()
+        (micro_sum / total_tokens).backward()
+        loss_sum += micro_sum.detach()
+    clip = side.cfg.optim.clip_grad
+    norm = torch.nn.utils.clip_grad_norm_(side.model.parameters(), clip if clip > 0 else float("inf"))
+    side.optimizer.step()
+    side.scheduler.step()
+    return (loss_sum / total_tokens).item(), norm.item()
+
+
+def hf_loss(side: HFSide, micro: list[tuple]) -> float:
+    """The global token-mean loss, forward only."""
+    with torch.no_grad():
+        sums = [(F.cross_entropy(side.model(input_ids=t).logits.flatten(0, 1).float(), y.flatten(),
+                                 reduction="none") * m.flatten()).sum().double() for t, y, m in micro]
+    return (sum(sums) / sum(m.sum() for _, _, m in micro)).item()
+
+
+def time_hf_steps(side: HFSide, micro: list[tuple], device: torch.device, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        hf_train_step(side, micro)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
