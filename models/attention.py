@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from models.kv_cache import KVCache
+from models.linear import ColumnParallelLinear, RowParallelLinear
 from models.shape import ModelShape, Split
 
 class ApplyRope(torch.autograd.Function):
@@ -78,14 +79,14 @@ class SelfAttention(MegatronModule):
         self.heads_per_group = divide(config.num_attention_heads, config.num_query_groups)
         self.local_groups = divide(config.num_query_groups, tp)
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
-        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
+        self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, config=config, init_method=config.init_method,
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
         )
         self.core_attention = CoreAttention(config) if config.context_parallel_size == 1 else \
             _context_parallel_core(config)  # parallel.cp > 1: K/V all-gathered over the CP group
         self.selective_recompute = config.recompute_granularity == "selective"
-        self.linear_proj = tensor_parallel.RowParallelLinear(
+        self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True,

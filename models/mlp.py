@@ -5,14 +5,39 @@ hold [gate_r; up_r], so the local output splits into the rank's gate and up halv
 """
 
 import torch
-from megatron.core import tensor_parallel
+import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
+from models.linear import ColumnParallelLinear, RowParallelLinear
 from models.shape import ModelShape, Split
+
+
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of x = [gate | up] ([..., 2*ffn] -> [..., ffn]), unfused (model.fused_kernels off: CPU).
+
+    The same ops as autograd's `F.silu(gate) * up` (bit-identical forward and gradient), but the backward writes
+    the gate and up gradients straight into their halves of one [..., 2*ffn] tensor instead of concatenating
+    two (the chunk's gradient): one full copy less per layer and micro-batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        gate, up = torch.chunk(x, 2, dim=-1)  # 2 x [..., ffn]
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate, up, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [..., ffn] -> [..., 2*ffn]
+        gate, up, activated = ctx.saved_tensors
+        out = grad.new_empty((*grad.shape[:-1], 2 * grad.shape[-1]))
+        d_gate, d_up = torch.chunk(out, 2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        torch.mul(grad, activated, out=d_up)
+        return out
 
 
 class MLP(MegatronModule):
@@ -21,12 +46,12 @@ class MLP(MegatronModule):
         ffn = config.ffn_hidden_size
         self.gated = config.gated_linear_unit
         self.activation = config.activation_func
-        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
+        self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * ffn if self.gated else ffn, config=config,
             init_method=config.init_method, bias=config.add_bias_linear, gather_output=False,
             stride=2 if self.gated else 1,
         )
-        self.linear_fc2 = tensor_parallel.RowParallelLinear(
+        self.linear_fc2 = RowParallelLinear(
             ffn, config.hidden_size, config=config, init_method=config.output_layer_init_method,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
         )
@@ -35,6 +60,8 @@ class MLP(MegatronModule):
         x, _ = self.linear_fc1(x)  # [s, b, ffn/tp] or [s, b, 2*ffn/tp]; bias added inside
         if self.gated and self.config.bias_activation_fusion:
             x = bias_swiglu_impl(x, None)  # [s, b, 2*ffn/tp] -> [s, b, ffn/tp]: MCore's compiled SwiGLU
+        elif self.gated and self.activation is F.silu:
+            x = SwiGLU.apply(x)  # [s, b, 2*ffn/tp] -> [s, b, ffn/tp]
         elif self.gated:
             gate, up = torch.chunk(x, 2, dim=-1)  # 2 x [s, b, ffn/tp]
             x = self.activation(gate) * up

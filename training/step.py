@@ -76,12 +76,12 @@ def grad_buffers(chunk) -> list[torch.Tensor]:
 
 
 def nonfinite_grad_ranks(state: TrainState, device: torch.device) -> list[int]:
-    """The ranks whose gradient buffers (as finalize_model_grads left them) hold a NaN or Inf; one
-    all-reduce, the same answer on every rank."""
+    """The ranks whose gradient buffers (as finalize_model_grads left them) hold a NaN or Inf (or sum past
+    fp32's range, 3e38: no sane step does); one all-reduce, the same answer on every rank."""
     bad = torch.zeros(dist.get_world_size(), device=device)
     for chunk in state.model:
-        for grads in grad_buffers(chunk):
-            bad[dist.get_rank()] += (~torch.isfinite(grads)).any()
+        for grads in grad_buffers(chunk):  # a NaN or Inf anywhere makes the sum non-finite: one read, no copy
+            bad[dist.get_rank()] += ~torch.isfinite(grads.sum())
     dist.all_reduce(bad)
     return bad.nonzero().flatten().tolist()
 
