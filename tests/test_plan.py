@@ -140,11 +140,13 @@ def test_plan_settings_are_checked():
 
 def _state_bytes(overrides: list[str], vocab_size: int) -> list[int]:
     """Bytes of params, DDP grad buffers and optimizer state (main params, exp_avg, exp_avg_sq) after one
-    optimizer step, each storage counted once; first without, then with the distributed optimizer."""
+    optimizer step, each storage counted once (training/tools/measure.py); first without, then with the
+    distributed optimizer."""
     from training import dist as D
     from training.build import build
     from training.data import MicroBatches
     from training.step import train_step
+    from training.tools.measure import state_bytes
     from training.validate import validate
 
     out = []
@@ -157,13 +159,7 @@ def _state_bytes(overrides: list[str], vocab_size: int) -> list[int]:
                                  generator=torch.Generator().manual_seed(0))
             batch = [{"tokens": r[:-1], "labels": r[1:], "loss_mask": torch.ones(cfg.model.seq_length)} for r in text]
             train_step(state, MicroBatches(batch, 0, cfg.train.micro_batch_size, 1, 0), derived, cfg, info.device)
-            tensors = [p for chunk in state.model for p in chunk.parameters()]
-            tensors += [b for chunk in state.model for buf in chunk.buffers for b in (buf.grad_data, buf.param_data)]
-            for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
-                tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
-                tensors += [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-            storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors if x is not None}
-            out.append(sum(storages.values()))
+            out.append(state_bytes(state))
             del state
     return out
 

@@ -57,6 +57,11 @@ def parse_args(argv=None):
     ap.add_argument("--breakdown", action="store_true", help="also split our step: forward/backward/optim/loop")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print torch.profiler's top-N ops of 3 steps per model (stderr)")
+    ap.add_argument("--layouts", default=None, metavar="L1,L2,...",
+                    help="one table row per layout (tp1, tp2, dp2, pp2, tp2dp2distopt, zero3, ...: "
+                         "training/tools/bench_layouts.py), each run as its own --detail bench")
+    ap.add_argument("--detail", action="store_true", help="also measure per-rank state bytes, activations "
+                    "saved per micro-batch and the collectives' share of the step (profiler, 3 steps)")
     ap.add_argument("--nproc", type=int, default=1, help="processes to spawn (ignored under torchrun)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (CPU); default "
                     "cores / processes")
@@ -154,12 +159,45 @@ def measure(args) -> dict:
         result.update(tokens_per_s=derived.tokens_per_step / ours_s, tflops_per_device=tflops,
                       mfu=None if peak is None else tflops / peak, mem_gb=mem_ours,
                       load_avg_1m=[load_before[0], os.getloadavg()[0]])
+        if args.detail:
+            result.update(detail(ours, ours_streams, derived, cfg, device))
         if args.breakdown:
             result["breakdown"] = bm.breakdown(ours, ours_streams, derived, cfg, device, args.windows * args.steps)
         if args.profile:
             print(f"--- ours: top {args.profile} ops of 3 steps ---\n{profile_table(run_ours, args.profile)}",
                   file=sys.stderr)
         return result
+
+
+def detail(state, streams, derived, cfg, device) -> dict:
+    """The largest rank's state bytes and activations saved per micro-batch, and the collectives' share of
+    3 profiled steps (rank 0's)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from training import step as S
+    from training.tools import measure
+
+    with measure.SavedActivations(state) as saved:
+        def counting_step(data_iterator, model):
+            saved.start()
+            return S.forward_step(data_iterator, model)
+
+        S.train_step(state, streams(), derived, cfg, device, step=counting_step)
+    sizes = torch.tensor([measure.state_bytes(state), saved.peak], dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
+        start = time.perf_counter()
+        for _ in range(3):
+            S.train_step(state, streams(), derived, cfg, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    return {"state_bytes": int(sizes[0]), "activation_bytes": int(sizes[1]),
+            "comm_share": measure.collective_seconds(prof) / wall}
 
 
 def compare_hf(args, cfg, ours, batch, device, run_ours, loss_ours: float) -> dict:
@@ -182,6 +220,8 @@ def compare_hf(args, cfg, ours, batch, device, run_ours, loss_ours: float) -> di
 
     run_hf(args.warmup)
     out.update(bm.paired_windows(run_ours, run_hf, args.windows, args.steps, other="hf"))
+    if args.breakdown:
+        out["hf_breakdown"] = bench_hf.hf_breakdown(side, micro, device, args.windows * args.steps)
     return out
 
 
@@ -212,6 +252,10 @@ def report(result: dict) -> str:
         b = r["breakdown"]
         shares = ", ".join(f"{k[:-6]} {v:.1%}" for k, v in b.items() if k.endswith("_share"))
         lines.append(f"breakdown of a {1e3 * b['step_s']:.1f} ms step: {shares}")
+    if "hf_breakdown" in r:
+        b = r["hf_breakdown"]
+        shares = ", ".join(f"{k[:-6]} {v:.1%}" for k, v in b.items() if k.endswith("_share"))
+        lines.append(f"hf breakdown of a {1e3 * b['step_s']:.1f} ms step: {shares}")
     if r["device"].startswith("cpu") and r["load_avg_1m"][0] > os.cpu_count():  # before our own steps
         lines.append(f"warning: load average {r['load_avg_1m'][0]:.1f} on {os.cpu_count()} cores before the run: "
                      f"other processes compete for the CPU and these timings are noisy")
@@ -244,10 +288,35 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         raise SystemExit(code)
 
 
+def bench_layouts(args) -> int:
+    from training.errors import ConfigError
+    from training.tools import bench_layouts as bl
+
+    names = [n for n in args.layouts.split(",") if n]
+    try:
+        for name in names:
+            bl.parse(name)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    flags = [f"--warmup={args.warmup}", f"--steps={args.steps}", f"--windows={args.windows}"]
+    flags += [f"--threads={args.threads}"] if args.threads else []
+    rows = []
+    for name in names:
+        rows.append(bl.run_row(name, args.overrides, flags))
+        if not args.json:
+            print(bl.table(rows).splitlines()[-1] if len(rows) > 1 else bl.table(rows), flush=True)
+    if args.json:
+        print(json.dumps(rows))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
 def main(argv=None) -> int:
     from training.net import free_port
 
     args = parse_args(argv)
+    if args.layouts:
+        return bench_layouts(args)
     if "RANK" in os.environ:  # torchrun
         return run(args)
     if args.nproc == 1:

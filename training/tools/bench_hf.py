@@ -91,22 +91,55 @@ def micro_batches(batch: list[dict], micro_batch_size: int, device: torch.device
     return out
 
 
-def hf_train_step(side: HFSide, micro: list[tuple]) -> tuple[float, float]:
-    """One optimizer step over the micro-batches; returns (global token-mean loss, grad norm before clipping)."""
+class _Phases:
+    """Wall time per phase name, accumulated across steps (CUDA synchronised at each boundary)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.totals, self._last = device, {}, None
+
+    def mark(self, name: str | None) -> None:  # closes the running phase, opens `name`
+        sync(self.device)
+        now = time.perf_counter()
+        if self._last is not None:
+            self.totals[self._last[0]] = self.totals.get(self._last[0], 0.0) + now - self._last[1]
+        self._last = None if name is None else (name, now)
+
+
+def hf_train_step(side: HFSide, micro: list[tuple], phases: _Phases | None = None) -> tuple[float, float]:
+    """One optimizer step over the micro-batches; returns (global token-mean loss, grad norm before clipping).
+    With `phases`, the time of each part is added to it (zero, forward, loss, backward, clip, optimizer)."""
+    mark = phases.mark if phases is not None else (lambda name: None)
+    mark("zero")
     side.optimizer.zero_grad(set_to_none=True)
     total_tokens = sum(mask.sum() for _, _, mask in micro)
     loss_sum = torch.zeros((), dtype=torch.float64, device=total_tokens.device)
     for tokens, labels, mask in micro:
+        mark("forward")
         logits = side.model(input_ids=tokens).logits  # [b, s, V]
+        mark("loss")
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")  # [b*s]
         micro_sum = (per_token * mask.flatten()).sum()
+        mark("backward")
         (micro_sum / total_tokens).backward()
         loss_sum += micro_sum.detach()
+    mark("clip")
     clip = side.cfg.optim.clip_grad
     norm = torch.nn.utils.clip_grad_norm_(side.model.parameters(), clip if clip > 0 else float("inf"))
+    mark("optimizer")
     side.optimizer.step()
     side.scheduler.step()
+    mark(None)
     return (loss_sum / total_tokens).item(), norm.item()
+
+
+def hf_breakdown(side: HFSide, micro: list[tuple], device: torch.device, steps: int) -> dict:
+    """Shares of the HF step by phase, as benchmark.breakdown gives ours."""
+    phases = _Phases(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        hf_train_step(side, micro, phases)
+    total = time.perf_counter() - start
+    return {"step_s": total / steps, **{f"{k}_share": v / total for k, v in phases.totals.items()}}
 
 
 def hf_loss(side: HFSide, micro: list[tuple]) -> float:
