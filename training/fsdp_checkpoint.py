@@ -134,9 +134,15 @@ def load_into_run(cfg: Config, state: TrainState, path: Path, run: dict, weights
     if uses_fsdp(cfg) and saved == "none" and weights_only:  # loaded already, by fsdp_weights_loader
         announce(f"fine-tuning from the weights of {path} (fresh optimizer, schedule and data order)")
         return C.Start()
+    if saved != "none" and not uses_fsdp(cfg) and weights_only and _single_rank_layout(run, C._layout()):
+        load_full_weights(state, path)  # an export, generation, evaluation, or a DDP fine-tune at tp 1, pp 1
+        announce(f"loaded the weights of {path} (parallel.fsdp={saved}, iteration {run['iteration']}) into "
+                 f"parallel.fsdp=none")
+        return C.Start()
     if not (uses_fsdp(cfg) and saved != "none") or weights_only:
-        how = ("parallel.fsdp=optim_grads or optim_grads_params (any DP size)" if saved != "none" else
-               "parallel.fsdp=none (TP, PP and DP may change)")
+        how = ("parallel.fsdp=optim_grads or optim_grads_params (any DP size); its weights alone load without "
+               "FSDP at tp 1 and pp 1 (checkpoint.finetune=true: fine-tune, export, generate, evaluate)"
+               if saved != "none" else "parallel.fsdp=none (TP, PP and DP may change)")
         raise C.CheckpointError(f"checkpoint {path} was saved with parallel.fsdp={saved} but this run has "
                               f"parallel.fsdp={cfg.parallel.fsdp}{' and checkpoint.finetune' * weights_only}: "
                               f"the fsdp_dtensor and torch_dist formats do not cross here; resume with {how}")
@@ -157,3 +163,38 @@ def load_into_run(cfg: Config, state: TrainState, path: Path, run: dict, weights
         C._set_rng_state(loaded["rng_state"])
     announce(f"loaded checkpoint {path} (iteration {loaded['iteration']}, parallel.fsdp={saved})")
     return C.Start(int(loaded["iteration"]), int(loaded["consumed_samples"]), True, run.get("train_samples"))
+
+
+def _single_rank_layout(run: dict, now: dict) -> bool:
+    """Saved at tp 1 and pp 1 (its DTensors are then whole tensors split over DP only) and loaded at tp 1, pp 1."""
+    return all(layout[k] == 1 for layout in (run["layout"], now) for k in ("tp", "pp"))
+
+
+def load_full_weights(state: TrainState, path: Path) -> None:
+    """The weights of an fsdp_dtensor checkpoint (saved at tp 1, pp 1: its fp32 main weights, split over DP)
+    into a model that Megatron-FSDP does not wrap, at tp 1 and pp 1: DCP reads every DP shard of each whole
+    tensor by its offsets. A bf16 model rounds them; its optimizer's fp32 main weights are reloaded."""
+    from training import checkpoint as C
+
+    (chunk,) = state.model
+    params = dict(unwrap(chunk).named_parameters())
+    reader = dcp.FileSystemReader(str(path))
+    saved = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")]
+    anchor = next(iter(params))
+    prefix = next((k[: -len(anchor)] for k in saved if k.endswith("." + anchor)), None)
+    missing = [n for n in params if prefix is None or prefix + n not in saved]
+    if missing:
+        raise C.CheckpointError(f"checkpoint {path} has no saved weight for {missing[:3]} (of {len(missing)}): "
+                                f"not this model's checkpoint")
+    model = {prefix[len("model."):] + n: torch.empty(p.shape, dtype=torch.float32, device=p.device)
+             for n, p in params.items()}  # [full shape] fp32: the saved main weights
+    try:
+        with safe_unpickling():
+            dcp.load({"model": model}, storage_reader=reader)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - as in checkpoint.maybe_load
+        raise C.CheckpointError(f"cannot load the weights of {path}: {type(err).__name__}") from err
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(model[prefix[len("model."):] + n])
+    if state.optimizer is not None:
+        state.optimizer.reload_model_params()

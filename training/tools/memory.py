@@ -9,9 +9,11 @@ Weights + gradients + optimizer state, per parameter on one GPU: bf16 params, fp
 2 + 4 + 12 = 18 bytes; the distributed optimizer shards the 12 over DP: 6 + 12/dp. fp32 runs have no
 separate main copy: 4 + 4 + 8 = 16, or 8 + 8/dp. Megatron-FSDP (parallel.fsdp) keeps the model weights
 (bf16 or fp32, p bytes), fp32 main weights, fp32 gradients and Adam's moments in buffers sharded over DP:
-ZeRO-2 (optim_grads) p + 16/dp, ZeRO-3 (optim_grads_params) (p + 16)/dp, plus, measured on 0.19.2, an
-unsharded copy of the model weights it gathers after each optimizer step for the next forward and keeps
-(p more: 11 bytes in bf16 at dp 2, against DDP's 18). Parameters are counted from the real shapes of models/
+ZeRO-2 (optim_grads) p + 16/dp, ZeRO-3 (optim_grads_params) (p + 16)/dp, plus p for every weight outside
+the FSDP units (embedding, final norm, untied output layer: the root unit stays gathered); while a layer
+runs, its unit and the next (prefetched) are unsharded too: 2 layers' weights x p, counted with the
+activations (training/bridge.py keeps Megatron-FSDP from gathering every unit after the optimizer step).
+Measured on the tiny model at dp 2 in bf16: ZeRO-3 0.51x of DDP's 18 bytes. Parameters are counted from the real shapes of models/
 (models.gpt.num_params: each block declares its own count, and a test checks the sum against the built
 model for every preset).
 
@@ -33,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from models.shape import ModelShape
+from models.shape import ModelShape, Split
+from models.spec import layer_spec
 from training.config import Config
 
 GB = 1e9  # decimal gigabytes, as metrics.jsonl's mem_gb
@@ -100,7 +103,7 @@ class Estimate:
 def bytes_per_param(precision: str, dist_opt: bool, dp: int, fsdp: str = "none") -> float:
     if fsdp != "none":  # model weights p, fp32 main weights, grads and moments: 4 + 4 + 8, sharded (module doc)
         p = 2 if precision == "bf16" else 4
-        return p + 16 / dp if fsdp == "optim_grads" else (p + 16) / dp + p
+        return p + 16 / dp if fsdp == "optim_grads" else (p + 16) / dp
     param, grad, optimizer = (2, 4, 12) if precision == "bf16" else (4, 4, 8)
     return param + grad + optimizer / (dp if dist_opt else 1)
 
@@ -200,8 +203,14 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int,
         # the distributed optimizer shards dense state over DP x CP, expert state over the expert-DP group
         weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.dp * lay.cp, lay.fsdp) + \
             experts * bytes_per_param(precision, lay.dist_opt, lay.edp)
-        candidate = Estimate(lay, num_params(shape), params, stage, weights,
-                             stage_activations(cfg, shape, lay, num_microbatches, stage, flash_attention))
+        activations = stage_activations(cfg, shape, lay, num_microbatches, stage, flash_attention)
+        if lay.fsdp == "optim_grads_params":  # unsharded: the root unit always, two layers' units in flight
+            p = 2 if precision == "bf16" else 4
+            layer = sum(block.num_params(shape, Split(lay.tp, lay.ep, lay.etp))
+                        for _, block in layer_spec(shape, 1).items())
+            weights += p * (params - shape.num_layers * layer)
+            activations += p * min(2, shape.num_layers) * layer
+        candidate = Estimate(lay, num_params(shape), params, stage, weights, activations)
         if worst is None or candidate.total > worst.total:
             worst = candidate
     return worst
