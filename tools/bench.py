@@ -3,6 +3,8 @@ optionally side by side with Megatron-Core's own GPTModel at the same config, la
 
     python tools/bench.py                                   # the default config (below), one process
     python tools/bench.py --compare-mcore --json            # ours vs Megatron-Core: {"ours_s", "mcore_s", "ratio", ...}
+    python tools/bench.py --compare-hf --breakdown          # ours vs transformers' Llama + plain AdamW, by phase
+    python tools/bench.py --layouts tp1,tp2,dp2,pp2         # one table row per layout (memory, comm share)
     python tools/bench.py --breakdown                       # + where a step's time goes (loop overhead share)
     python tools/bench.py --nproc 2 parallel.tp=2           # spawn 2 processes (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 8 tools/bench.py parallel.tp=2 model=llama_1b train.precision=bf16
@@ -23,7 +25,10 @@ on the batch is checked against ours, and the two alternate A B A B ... in `--wi
 per window by default: on a shared machine the load changes within seconds, and adjacent steps see
 nearly the same load, so the ratios of neighbours stay tight where window-long medians scatter.
 
-The vocabulary: our GPT masks padded vocabulary logits to -inf, Megatron-Core's does not. In a comparison
+With --compare-hf the other side is transformers' LlamaForCausalLM with our weights and a plain PyTorch
+step (training/tools/bench_hf.py), one process, fp32.
+
+The vocabulary: our GPT masks padded vocabulary logits to -inf, Megatron-Core's (and HF's) does not. In a comparison
 both models get the padded size as their real vocabulary (257 bytes -> 384), so neither masks and both
 compute the same logits and loss: equal work.
 """
@@ -92,6 +97,7 @@ def measure(args) -> dict:
     from training.step import forward_step, run_schedule
     from training.tokenizer import build_tokenizer
     from training.tools import benchmark as bm
+    from training.tools.measure import measure_detail
     from training.validate import validate
 
     cfg = compose(args.overrides)
@@ -160,44 +166,13 @@ def measure(args) -> dict:
                       mfu=None if peak is None else tflops / peak, mem_gb=mem_ours,
                       load_avg_1m=[load_before[0], os.getloadavg()[0]])
         if args.detail:
-            result.update(detail(ours, ours_streams, derived, cfg, device))
+            result.update(measure_detail(ours, ours_streams, derived, cfg, device))
         if args.breakdown:
             result["breakdown"] = bm.breakdown(ours, ours_streams, derived, cfg, device, args.windows * args.steps)
         if args.profile:
             print(f"--- ours: top {args.profile} ops of 3 steps ---\n{profile_table(run_ours, args.profile)}",
                   file=sys.stderr)
         return result
-
-
-def detail(state, streams, derived, cfg, device) -> dict:
-    """The largest rank's state bytes and activations saved per micro-batch, and the collectives' share of
-    3 profiled steps (rank 0's)."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from training import step as S
-    from training.tools import measure
-
-    with measure.SavedActivations(state) as saved:
-        def counting_step(data_iterator, model):
-            saved.start()
-            return S.forward_step(data_iterator, model)
-
-        S.train_step(state, streams(), derived, cfg, device, step=counting_step)
-    sizes = torch.tensor([measure.state_bytes(state), saved.peak], dtype=torch.float64, device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
-        start = time.perf_counter()
-        for _ in range(3):
-            S.train_step(state, streams(), derived, cfg, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - start
-    return {"state_bytes": int(sizes[0]), "activation_bytes": int(sizes[1]),
-            "comm_share": measure.collective_seconds(prof) / wall}
 
 
 def compare_hf(args, cfg, ours, batch, device, run_ours, loss_ours: float) -> dict:

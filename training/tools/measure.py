@@ -4,11 +4,15 @@ training/tools/memory.py; these are what it is checked against).
     state_bytes(state)              this rank's bytes of parameters, gradient buffers and optimizer state
     with SavedActivations(state) as saved: ...   the largest micro-batch's bytes saved for backward
     collective_seconds(profiler)    time spent inside collectives (gloo / NCCL) in a torch.profiler trace
+    measure_detail(state, ...)      all three for tools/bench.py --detail (--layouts rows)
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from training.build import TrainState
@@ -89,3 +93,28 @@ def collective_seconds(prof) -> float:
             total += b - max(a, end)
             end = b
     return total / 1e6
+
+
+def measure_detail(state: TrainState, streams, derived, cfg, device) -> dict:
+    """The largest rank's state bytes and activations saved per micro-batch, and the collectives' share of
+    3 profiled steps (rank 0's)."""
+    from training import step as S
+
+    with SavedActivations(state) as saved:
+        def counting_step(data_iterator, model):
+            saved.start()
+            return S.forward_step(data_iterator, model)
+
+        S.train_step(state, streams(), derived, cfg, device, step=counting_step)
+    sizes = torch.tensor([state_bytes(state), saved.peak], dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
+        start = time.perf_counter()
+        for _ in range(3):
+            S.train_step(state, streams(), derived, cfg, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    return {"state_bytes": int(sizes[0]), "activation_bytes": int(sizes[1]),
+            "comm_share": collective_seconds(prof) / wall}
