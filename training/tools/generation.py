@@ -81,6 +81,8 @@ def inference_config(ckpt: str | Path, overrides: list[str], for_generation: boo
         raise ConfigError(one_line(err)) from err
     _inference_layout(cfg, for_generation)
     cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = None, str(path), True
+    t = cfg.train  # the run's saving and stopping schedule means nothing here (and needs a checkpoint.dir)
+    t.save_interval, t.save_interval_minutes, t.exit_interval, t.exit_duration_minutes = 0, 0.0, 0, 0.0
     return cfg, ModelShape.of(cfg.model, run["vocab_size"]), path
 
 
