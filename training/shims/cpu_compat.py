@@ -44,6 +44,10 @@ The patches, narrowest first:
    232-234, which reads "cuda:cpu" here) and its adapter makes `DeviceMesh.from_group(..., device_type="cuda")`
    (mcore_fsdp_adapter.py 407-449): megatron.core's `torch.device` maps CUDA spellings to the CPU (isinstance
    still sees torch.device), and the adapter's DeviceMesh is built on "cpu".
+8. Megatron-FSDP's ZeRO-3 parameter all-gathers are asynchronous (`AllGatherPipeline.all_gather_params`,
+   coalesced, waited later) and it frees and refills bucket storage as CUDA's stream-ordered allocator allows;
+   gloo runs them on its own thread, which then wrote into freed memory: SIGSEGV / "malloc(): unaligned tcache
+   chunk" in the pre-backward unshard, in ~1 of 6 ZeRO-3 DP2 runs. They run synchronously here.
 
 What this module does not cover (not reached by a training step on CPU): TE/apex kernels, CUDA graphs,
 `torch.autocast("cuda")` (keep `enable_autocast` off), torch FSDP2, inference, the grad scaler (fp16 only; we
@@ -388,5 +392,9 @@ def apply() -> bool:
         import megatron.core.distributed.fsdp.mcore_fsdp_adapter as fsdp_adapter
 
         fsdp_adapter.DeviceMesh = _DeviceMeshOnCpu()
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import AllGatherPipeline
+
+        gather = AllGatherPipeline.all_gather_params  # patch 8: synchronous
+        AllGatherPipeline.all_gather_params = lambda self, *a, **k: gather(self, *a, **k, async_param_gather=False)
     _applied = True
     return True
