@@ -18,9 +18,9 @@ from megatron.core import tensor_parallel
 def _plain(layer) -> bool:
     """True where Megatron-Core's forward would reduce to a plain linear."""
     c = layer.config
-    return (c.tensor_model_parallel_size == 1 and not layer.sequence_parallel and not layer.gradient_accumulation_fusion
-            and not c.defer_embedding_wgrad_compute and c._cpu_offloading_context is None
-            and getattr(layer, "gtp_remat_size", 1) == 1)
+    return (c.tensor_model_parallel_size == 1 and not layer.sequence_parallel
+            and not layer.gradient_accumulation_fusion and not c.defer_embedding_wgrad_compute
+            and c._cpu_offloading_context is None and getattr(layer, "gtp_remat_size", 1) == 1)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skip_bias_add: bool):

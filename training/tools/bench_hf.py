@@ -4,10 +4,11 @@ model's shape, with our weights (training/tools/hf.py's mapping), trained the wa
 `clip_grad_norm_`, and a LambdaLR giving the learning rate of Megatron-Core's OptimizerParamScheduler at our
 config (linear warmup from 0, then cosine / linear / constant decay to min_lr).
 
-One step = zero_grad(set_to_none), then the global batch in the same micro-batches as ours: each micro-batch's summed token cross entropy
-divided by the global batch's loss-token count, backward (gradients accumulate), clip, AdamW step, scheduler
-step (the gradients are set to None first, as our step zeroes its buffers first). The same arithmetic as our step (calculate_per_token_loss: finalize_model_grads
-divides by the token count), so the two losses and updates agree (tests/test_bench.py).
+One step = zero_grad(set_to_none) (as our step zeroes its buffers first), then the global batch in the same
+micro-batches as ours: each micro-batch's summed token cross entropy divided by the global batch's loss-token
+count, backward (gradients accumulate), clip, AdamW step, scheduler step. The same arithmetic as our step
+(calculate_per_token_loss: finalize_model_grads divides by the token count), so the two losses and updates
+agree (tests/test_bench.py).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def micro_batches(batch: list[dict], micro_batch_size: int, device: torch.device
     out = []
     for i in range(0, len(batch), micro_batch_size):
         rows = batch[i:i + micro_batch_size]
-        out.append(tuple(torch.stack([r[k] for r in rows]).to(device) for k in ("tokens", "labels", "loss_mask")))
+        keys = ("tokens", "labels", "loss_mask")
+        out.append(tuple(torch.stack([r[k] for r in rows]).to(device) for k in keys))  # [b, s] each
     return out
 
 
