@@ -20,7 +20,8 @@ def _plain(layer) -> bool:
     c = layer.config
     return (c.tensor_model_parallel_size == 1 and not layer.sequence_parallel
             and not layer.gradient_accumulation_fusion and not c.defer_embedding_wgrad_compute
-            and c._cpu_offloading_context is None and getattr(layer, "gtp_remat_size", 1) == 1)
+            and c._cpu_offloading_context is None and getattr(layer, "gtp_remat_size", 1) == 1
+            and not layer.explicit_expert_comm)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skip_bias_add: bool):
@@ -33,7 +34,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sk
 class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._tp1 = _plain(self) and not self.explicit_expert_comm
+        self._tp1 = _plain(self)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):  # [s, b, h] -> [s, b, out/tp]
         if not self._tp1:
@@ -44,7 +45,7 @@ class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
 class RowParallelLinear(tensor_parallel.RowParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._tp1 = _plain(self) and not self.explicit_expert_comm
+        self._tp1 = _plain(self)
 
     def forward(self, input_):  # [s, b, in/tp] -> [s, b, h]
         if not self._tp1:

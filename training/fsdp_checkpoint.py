@@ -181,12 +181,12 @@ def load_full_weights(state: TrainState, path: Path) -> None:
     reader = dcp.FileSystemReader(str(path))
     saved = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")]
     anchor = next(iter(params))
-    prefix = next((k[: -len(anchor)] for k in saved if k.endswith("." + anchor)), None)
-    missing = [n for n in params if prefix is None or prefix + n not in saved]
+    prefix = next((k[len("model."): -len(anchor)] for k in saved if k.endswith("." + anchor)), None)
+    missing = [n for n in params if prefix is None or f"model.{prefix}{n}" not in saved]
     if missing:
         raise C.CheckpointError(f"checkpoint {path} has no saved weight for {missing[:3]} (of {len(missing)}): "
                                 f"not this model's checkpoint")
-    model = {prefix[len("model."):] + n: torch.empty(p.shape, dtype=torch.float32, device=p.device)
+    model = {prefix + n: torch.empty(p.shape, dtype=torch.float32, device=p.device)
              for n, p in params.items()}  # [full shape] fp32: the saved main weights
     try:
         with safe_unpickling():
@@ -195,6 +195,6 @@ def load_full_weights(state: TrainState, path: Path) -> None:
         raise C.CheckpointError(f"cannot load the weights of {path}: {type(err).__name__}") from err
     with torch.no_grad():
         for n, p in params.items():
-            p.copy_(model[prefix[len("model."):] + n])
+            p.copy_(model[prefix + n])
     if state.optimizer is not None:
         state.optimizer.reload_model_params()

@@ -1,8 +1,8 @@
 """The plain-PyTorch side of `tools/bench.py --compare-hf`: transformers' LlamaForCausalLM (SDPA attention) at our
 model's shape, with our weights (training/tools/hf.py's mapping), trained the way a plain PyTorch loop trains it:
 `torch.optim.AdamW` (weight decay on matrices only, as Megatron-Core's optimizer groups them),
-`clip_grad_norm_`, and a LambdaLR giving the learning rate of Megatron-Core's OptimizerParamScheduler at our
-config (linear warmup from 0, then cosine / linear / constant decay to min_lr).
+`clip_grad_norm_`, and the learning rate of our config's schedule (Megatron-Core's OptimizerParamScheduler with
+training/bridge.py's arguments, stepping the torch optimizer's param groups: warmup from 0, then decay).
 
 One step = zero_grad(set_to_none) (as our step zeroes its buffers first), then the global batch in the same
 micro-batches as ours: each micro-batch's summed token cross entropy divided by the global batch's loss-token
@@ -13,40 +13,26 @@ agree (tests/test_bench.py).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from training.config import Config, DecayStyle, Precision
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from training import bridge
+from training.config import Config, Precision
 from training.errors import ConfigError
 from training.tools import hf
 from training.tools.benchmark import sync
-
-
-def lr_at(cfg: Config, step: int) -> float:
-    """Megatron-Core's OptimizerParamScheduler.get_lr at iteration `step` for our optim config (training.bridge's
-    scheduler_kwargs: init_lr 0, lr_decay_steps = decay_iters or train.iters)."""
-    o = cfg.optim
-    decay_end = max(o.decay_iters if o.decay_iters is not None else max(cfg.train.iters, 1), o.warmup_iters + 1)
-    if o.warmup_iters > 0 and step <= o.warmup_iters:
-        return o.lr * step / o.warmup_iters
-    if o.decay_style == DecayStyle.constant:
-        return o.lr
-    if step > decay_end:
-        return o.min_lr
-    ratio = (step - o.warmup_iters) / (decay_end - o.warmup_iters)
-    coeff = 1.0 - ratio if o.decay_style == DecayStyle.linear else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return o.min_lr + coeff * (o.lr - o.min_lr)
 
 
 @dataclass
 class HFSide:
     model: torch.nn.Module  # LlamaForCausalLM
     optimizer: torch.optim.AdamW
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: OptimizerParamScheduler
     cfg: Config
 
 
@@ -76,10 +62,10 @@ def build_hf(state, cfg: Config, device: torch.device) -> HFSide:
     o = cfg.optim
     decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim > 1 and not n.endswith(".bias"))]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay, "wd_mult": 1.0},
+                                   {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}],
                                   lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(cfg, step) / o.lr)
+    scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))  # sets step 0's lr
     return HFSide(model, optimizer, scheduler, cfg)
 
 
@@ -119,8 +105,7 @@ def hf_train_step(side: HFSide, micro: list[tuple], phases: _Phases | None = Non
         mark("forward")
         logits = side.model(input_ids=tokens).logits  # [b, s, V]
         mark("loss")
-        per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")  # [b*s]
-        micro_sum = (per_token * mask.flatten()).sum()
+        micro_sum = _loss_sum(logits, labels, mask)
         mark("backward")
         (micro_sum / total_tokens).backward()
         loss_sum += micro_sum.detach()
@@ -129,7 +114,7 @@ def hf_train_step(side: HFSide, micro: list[tuple], phases: _Phases | None = Non
     norm = torch.nn.utils.clip_grad_norm_(side.model.parameters(), clip if clip > 0 else float("inf"))
     mark("optimizer")
     side.optimizer.step()
-    side.scheduler.step()
+    side.scheduler.step(increment=1)
     mark(None)
     return (loss_sum / total_tokens).item(), norm.item()
 
@@ -144,11 +129,16 @@ def hf_breakdown(side: HFSide, micro: list[tuple], device: torch.device, steps: 
     return {"step_s": total / steps, **{f"{k}_share": v / total for k, v in phases.totals.items()}}
 
 
+def _loss_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The masked sum of token cross entropies: logits [b, s, V], labels and mask [b, s]."""
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")  # [b*s]
+    return (per_token * mask.flatten()).sum()
+
+
 def hf_loss(side: HFSide, micro: list[tuple]) -> float:
     """The global token-mean loss, forward only."""
     with torch.no_grad():
-        sums = [(F.cross_entropy(side.model(input_ids=t).logits.flatten(0, 1).float(), y.flatten(),
-                                 reduction="none") * m.flatten()).sum().double() for t, y, m in micro]
+        sums = [_loss_sum(side.model(input_ids=t).logits, y, m).double() for t, y, m in micro]
     return (sum(sums) / sum(m.sum() for _, _, m in micro)).item()
 
 
