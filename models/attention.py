@@ -7,6 +7,8 @@ fused QKV weight is laid out per query group, as in Megatron-Core:
 so a contiguous TP shard of its rows holds whole groups: ng/tp groups, np/tp query heads.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
@@ -20,34 +22,39 @@ from models.linear import ColumnParallelLinear, RowParallelLinear
 from models.shape import ModelShape, Split
 
 class ApplyRope(torch.autograd.Function):
-    """RoPE, non-interleaved: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] on the halves.
+    """RoPE, non-interleaved, on q and k at once: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] on
+    the halves.
 
     Bit-identical to Megatron-Core's unfused `apply_rotary_pos_emb` (forward and gradient, fp32 and bf16:
     the same products, rounded the same way) but written half by half into one output, without its
-    chunk / neg / cat copies and slice gradients: ~1.6x faster on CPU at the tiny preset's shapes.
+    chunk / neg / cat copies and slice gradients: ~1.6x faster on CPU at the tiny preset's shapes; one
+    autograd node for q and k halves the Python overhead (a few % of a small layer on CPU).
     """
 
     @staticmethod
-    def forward(ctx, t, cos, sin):  # t [s, b, heads, hn]; cos, sin [s, 1, 1, hn] in t's dtype
-        h = t.shape[-1] // 2
-        c, s, t1, t2 = cos[..., :h], sin[..., :h], t[..., :h], t[..., h:]  # cos, sin halves are equal
-        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        o1, o2 = out[..., :h], out[..., h:]
-        torch.mul(t1, c, out=o1).sub_(t2 * s)  # t1 cos - t2 sin
-        torch.mul(t2, c, out=o2).add_(t1 * s)  # t2 cos + t1 sin
+    def forward(ctx, q, k, cos, sin):  # q [s, b, np, hn], k [s, b, ng, hn]; cos, sin [s, 1, 1, hn] in their dtype
         ctx.save_for_backward(cos, sin)
-        return out
+        return _rotate(q, cos, sin, 1), _rotate(k, cos, sin, 1)
 
     @staticmethod
-    def backward(ctx, grad):  # the transposed rotation: [g1 cos + g2 sin, g2 cos - g1 sin]
+    def backward(ctx, grad_q, grad_k):  # the transposed rotation: [g1 cos + g2 sin, g2 cos - g1 sin]
         cos, sin = ctx.saved_tensors
-        h = grad.shape[-1] // 2
-        c, s, g1, g2 = cos[..., :h], sin[..., :h], grad[..., :h], grad[..., h:]
-        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-        d1, d2 = out[..., :h], out[..., h:]
-        torch.mul(g1, c, out=d1).add_(g2 * s)
-        torch.mul(g2, c, out=d2).sub_(g1 * s)
-        return out, None, None
+        return _rotate(grad_q, cos, sin, -1), _rotate(grad_k, cos, sin, -1), None, None
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
+    """[t1 cos - sign t2 sin, t2 cos + sign t1 sin] of t = [t1, t2] (last dim halves): sign 1 rotates, -1 undoes."""
+    h = t.shape[-1] // 2
+    c, s, t1, t2 = cos[..., :h], sin[..., :h], t[..., :h], t[..., h:]  # cos, sin halves are equal
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    o1, o2 = out[..., :h], out[..., h:]
+    if sign > 0:
+        torch.mul(t1, c, out=o1).sub_(t2 * s)  # t1 cos - t2 sin
+        torch.mul(t2, c, out=o2).add_(t1 * s)  # t2 cos + t1 sin
+    else:
+        torch.mul(t1, c, out=o1).add_(t2 * s)
+        torch.mul(t2, c, out=o2).sub_(t1 * s)
+    return out
 
 
 class CoreAttention(torch.nn.Module):
@@ -63,9 +70,11 @@ class CoreAttention(torch.nn.Module):
     def forward(self, q, k, v, mask=None):  # q [s, b, np/tp, hn]; k, v [s_k, b, ng/tp, hn]; mask [b, 1, s, s_k]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/tp, s(_k), hn]
         dropout_p = self.dropout_p if self.training else 0.0
-        with tensor_parallel.get_cuda_rng_tracker().fork():  # mask: generation (models/kv_cache.py)
+        # without dropout no random numbers are drawn: the fork (~40 us of RNG state copies) would cost ~15% of
+        # a small attention call on CPU for nothing
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
+                                                 enable_gqa=k.shape[1] != q.shape[1])  # mask: generation's cache
         b, n, s, hn = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)  # [s, b, np/tp * hn]
 
@@ -86,6 +95,7 @@ class SelfAttention(MegatronModule):
         self.core_attention = CoreAttention(config) if config.context_parallel_size == 1 else \
             _context_parallel_core(config)  # parallel.cp > 1: K/V all-gathered over the CP group
         self.selective_recompute = config.recompute_granularity == "selective"
+        self._rope_cache = (None, None, None)  # (freqs, cos, sin): the last rotary table seen, and its cos, sin
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear,
@@ -117,8 +127,10 @@ class SelfAttention(MegatronModule):
         if c.apply_rope_fusion or c.rotary_interleaved or freqs.shape[-1] != q.shape[-1]:
             # TE's fused kernel, interleaved or partial RoPE: Megatron-Core's own
             return apply_rotary_pos_emb(q, freqs, c), apply_rotary_pos_emb(k, freqs, c)
-        cos, sin = torch.cos(freqs).to(q.dtype), torch.sin(freqs).to(q.dtype)  # [s, 1, 1, hn]
-        return ApplyRope.apply(q, cos, sin), ApplyRope.apply(k, cos, sin)
+        if self._rope_cache[0] is not freqs or self._rope_cache[1].dtype != q.dtype:  # RotaryEmbedding caches freqs
+            self._rope_cache = (freqs, torch.cos(freqs).to(q.dtype), torch.sin(freqs).to(q.dtype))  # [s, 1, 1, hn]
+        _, cos, sin = self._rope_cache
+        return ApplyRope.apply(q, k, cos, sin)
 
     @staticmethod
     def num_params(shape: ModelShape, split: Split) -> int:

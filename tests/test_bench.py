@@ -173,9 +173,12 @@ def test_rope_is_bit_identical_to_megatron_core(dtype):
     q = qkv[..., :128].reshape(48, 3, 4, 64)  # a strided view, as SelfAttention's q
     grad = torch.randn(48, 3, 4, 64, generator=g).to(dtype)
     ref = _apply_rotary_pos_emb_bshd(q, freqs)
-    ours = ApplyRope.apply(q, torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
-    assert torch.equal(ours, ref)
-    assert torch.equal(torch.autograd.grad(ours, qkv, grad)[0], torch.autograd.grad(ref, qkv, grad)[0])
+    k = qkv[..., 128:192]  # [s, b, ng, hn], also a strided view
+    ours, ours_k = ApplyRope.apply(q, k, torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
+    ref_k = _apply_rotary_pos_emb_bshd(k, freqs)
+    assert torch.equal(ours, ref) and torch.equal(ours_k, ref_k)
+    ours_grad = torch.autograd.grad((ours, ours_k), qkv, (grad, grad[:, :, :2]))[0]
+    assert torch.equal(ours_grad, torch.autograd.grad((ref, ref_k), qkv, (grad, grad[:, :, :2]))[0])
 
 
 BF16_RTOL = 1e-2  # two implementations of the same bf16 model: rounding differs op by op

@@ -197,6 +197,8 @@ def compare_hf(args, cfg, ours, batch, device, run_ours, loss_ours: float) -> di
     out.update(bm.paired_windows(run_ours, run_hf, args.windows, args.steps, other="hf"))
     if args.breakdown:
         out["hf_breakdown"] = bench_hf.hf_breakdown(side, micro, device, args.windows * args.steps)
+    if args.profile:
+        print(f"--- hf: top {args.profile} ops of 3 steps ---\n{profile_table(run_hf, args.profile)}", file=sys.stderr)
     return out
 
 
