@@ -13,6 +13,34 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.shape import ModelShape, Split
 
 
+class RMSNormCPU(torch.autograd.Function):
+    """F.rms_norm with a hand-written backward, for CPU: torch has a fused RMSNorm backward kernel only for CUDA,
+    and on CPU differentiates the decomposed forward (pow, mean, rsqrt, 3 muls: ~25 kernels for the gradient).
+    The forward is torch's own kernel (bit-identical output), which also returns 1/rms; the backward is 7:
+        x^ = x r,  t = g x^,  dw = sum_tokens t,  dx = r (g w - x^ (t . w) / h)     (r = 1/rms over h)
+    in fp32 (as torch computes the norm) and rounded once to the input's dtype. Measured on 2 cores, forward +
+    backward: 0.93x at [128, 4, 128], 0.72x at [256, 4, 512]; the gradient within 1e-7 (fp32) of autograd's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # x [s(/tp), b, h], weight [h]
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)  # y like x; rstd [s, b, 1] fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [s, b, h]
+        x, weight, rstd = ctx.saved_tensors
+        h = x.shape[-1]
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16 / fp16 / fp32
+        g, w = grad.to(dtype), weight.to(dtype)
+        x_hat = x.to(dtype) * rstd  # [s, b, h]
+        t = g * x_hat
+        grad_w = t.reshape(-1, h).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None  # [h]
+        dot = t.matmul(w).unsqueeze(-1)  # [s, b, 1]: sum over h of g w x^
+        grad_x = torch.addcmul(g * w, x_hat, dot, value=-1.0 / h).mul_(rstd)
+        return grad_x.to(x.dtype), grad_w, None
+
+
 class Norm(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int | None = None):
         super().__init__(config=config)
@@ -32,6 +60,8 @@ class Norm(MegatronModule):
         shape = (x.shape[-1],)
         if self.kind == "LayerNorm":
             return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
+        if x.device.type == "cpu" and torch.is_grad_enabled():  # CUDA has a fused backward kernel; CPU has not
+            return RMSNormCPU.apply(x, self.weight, self.eps)
         return F.rms_norm(x, shape, self.weight, self.eps)
 
     @staticmethod

@@ -1,9 +1,10 @@
 """tools/bench.py times equal work: Megatron-Core's GPTModel, built at our config and layout with our
 weights copied in, computes the same loss as our GPT, and after one optimizer step (same gradients,
 same update) the same loss again (fp32, relative difference <= 1e-5). Both go through the engine's
-own build() and train_step(), as the benchmark runs them. The tool itself runs end to end, and our
-faster RoPE is bit-identical to Megatron-Core's. GPU tier: the same comparison in bf16, against
-Megatron-Core's local spec and (when Transformer Engine is installed) its TE spec.
+own build() and train_step(), as the benchmark runs them. The tool itself runs end to end, our
+faster RoPE is bit-identical to Megatron-Core's, and our CPU RMSNorm backward equals autograd's. GPU tier:
+the same comparison in bf16, against Megatron-Core's local spec and (when Transformer Engine is installed)
+its TE spec.
 """
 
 import importlib.util
@@ -179,6 +180,30 @@ def test_rope_is_bit_identical_to_megatron_core(dtype):
     assert torch.equal(ours, ref) and torch.equal(ours_k, ref_k)
     ours_grad = torch.autograd.grad((ours, ours_k), qkv, (grad, grad[:, :, :2]))[0]
     assert torch.equal(ours_grad, torch.autograd.grad((ref, ref_k), qkv, (grad, grad[:, :, :2]))[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_rmsnorm_backward_matches_autograd(dtype):
+    """models/norm.py's CPU RMSNorm: torch's forward kernel (bit-identical output), a hand-written backward equal
+    to autograd's through F.rms_norm (fp32 within 1e-6; bf16: one rounding of the fp32 result), and gradcheck."""
+    import torch
+    import torch.nn.functional as F
+
+    from models.norm import RMSNormCPU
+
+    dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, 64, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype).requires_grad_()
+    grad = torch.randn(24, 3, 64, generator=g).to(dtype)
+    ref, ours = F.rms_norm(x, (64,), w, 1e-5), RMSNormCPU.apply(x, w, 1e-5)
+    assert torch.equal(ours, ref)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for a, b in zip(torch.autograd.grad(ours, (x, w), grad), torch.autograd.grad(ref, (x, w), grad)):
+        assert a.dtype == b.dtype and ((a - b).abs().max() / b.abs().max()).item() <= tol
+    args = (torch.randn(4, 2, 8, dtype=torch.float64, requires_grad=True),
+            torch.randn(8, dtype=torch.float64, requires_grad=True), 1e-5)
+    assert torch.autograd.gradcheck(RMSNormCPU.apply, args)
 
 
 BF16_RTOL = 1e-2  # two implementations of the same bf16 model: rounding differs op by op
