@@ -98,6 +98,7 @@ def measure(args) -> dict:
     from training.tokenizer import build_tokenizer
     from training.tools import benchmark as bm
     from training.tools.measure import measure_detail
+    from training.tools.memory import Layout, estimate
     from training.validate import validate
 
     cfg = compose(args.overrides)
@@ -162,8 +163,9 @@ def measure(args) -> dict:
             result["ours_s"] = statistics.median(result["ours_steps_s"])
         ours_s = result["ours_s"]
         tflops = flops_per_step / ours_s / derived.world_size / 1e12
+        est = estimate(cfg, shape, Layout.of(cfg, derived.dp), derived.num_microbatches)  # what plan.py says
         result.update(tokens_per_s=derived.tokens_per_step / ours_s, tflops_per_device=tflops,
-                      mfu=None if peak is None else tflops / peak, mem_gb=mem_ours,
+                      mfu=None if peak is None else tflops / peak, mem_gb=mem_ours, estimate_gb=est.total / 1e9,
                       load_avg_1m=[load_before[0], os.getloadavg()[0]])
         if args.detail:
             result.update(measure_detail(ours, ours_streams, derived, cfg, device))
@@ -209,7 +211,8 @@ def report(result: dict) -> str:
              f"{r['load_avg_1m'][1]:.2f}",
              f"ours : {1e3 * r['ours_s']:.1f} ms/step | {r['tokens_per_s']:,.0f} tok/s | "
              f"{r['tflops_per_device']:.3f} TFLOP/s/dev | MFU "
-             f"{'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | mem {r['mem_gb']:.2f} GB"]
+             f"{'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | mem {r['mem_gb']:.2f} GB"
+             + ("" if r["device"].startswith("cpu") else f" (estimate {r['estimate_gb']:.2f} GB)")]  # CPU: RSS
     if "mcore_s" in r:
         lines.append(f"mcore: {1e3 * r['mcore_s']:.1f} ms/step | {r['mcore_tokens_per_s']:,.0f} tok/s | "
                      f"{r['mcore_tflops_per_device']:.3f} TFLOP/s/dev")
