@@ -27,7 +27,7 @@ RUN PIP_CONSTRAINT= pip install --no-cache-dir --no-deps \
 # host take effect without a rebuild.
 COPY . .
 RUN PIP_CONSTRAINT= pip install --no-cache-dir --no-deps -e . \
- && python -c "import megatron.core, hydra, omegaconf, yaml, psutil, tensorboard, torch, models, training.config; \
+ && python -c "import megatron.core, hydra, omegaconf, yaml, psutil, tensorboard, torch, models, training.config.schema; \
 print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 
 CMD ["launch/train.sh"]

@@ -1,4 +1,4 @@
-"""Train a GPT with Megatron-Core: Hydra config -> validation -> training.loop.run.
+"""Train a GPT with Megatron-Core: Hydra config -> validation -> training.engine.loop.run.
 
     make train                                        # setup + the embedded default (2 CPU processes)
     NPROC=2 launch/train.sh parallel.tp=2 train.iters=30
@@ -8,7 +8,7 @@
 
 Every rank runs this file; launch scripts give all ranks one run dir (`hydra.run.dir`). Invalid
 configs stop here with a one-line error per problem (exit 2) before any process group exists: values
-the schema refuses while composing, then the cross-field rules (training/validate.py), checked once.
+the schema refuses while composing, then the cross-field rules (training/config/validate.py), checked once.
 """
 
 import os
@@ -19,7 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from training.config import register, to_config
+from training.config.schema import register, to_config
 from training.errors import exit_on_error
 from training.shims.noise import quiet_known_noise
 
@@ -29,14 +29,14 @@ quiet_known_noise()
 
 def precheck(argv: list[str]) -> None:
     """Compose as @hydra.main will, so that a value the schema refuses is one line (Hydra prints several)."""
-    from training.compose import compose
+    from training.config.compose import compose
 
     compose([arg for arg in argv if not arg.startswith("-")])
 
 
 def start(composed: DictConfig) -> None:
-    from training.dist import single_process_env
-    from training.validate import validate
+    from training.config.validate import validate
+    from training.parallel.dist import single_process_env
 
     cfg = to_config(composed)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -49,7 +49,7 @@ def start(composed: DictConfig) -> None:
         resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         (run_dir / "config.yaml").write_text(resolved)
         print(f"run dir: {run_dir}\n{resolved}", flush=True)
-    from training.loop import run
+    from training.engine.loop import run
 
     run(cfg, derived, run_dir)
 

@@ -10,7 +10,7 @@ PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo py
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Megatron-Core's TP/SP communication overlap relies on kernels reaching the GPU in issue order,
 # which one hardware queue per device guarantees (Megatron-LM warns without it). Megatron-FSDP wants the
-# opposite (its all-gathers overlap on other queues): training/loop.py raises it to 8 under parallel.fsdp.
+# opposite (its all-gathers overlap on other queues): training/engine/loop.py raises it to 8 under parallel.fsdp.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # A failed or timed-out NCCL collective aborts the process instead of hanging the whole job.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
@@ -47,7 +47,7 @@ default_nproc() {
 }
 
 free_port() {
-  "$PYTHON" -m training.net  # prints a free port (the one helper the tools and tests use too)
+  "$PYTHON" -m training.parallel.spawn  # prints a free port (the one helper the tools and tests use too)
 }
 
 # check_config WORLD_SIZE PORT OVERRIDES...: validate the composed config for WORLD_SIZE processes
@@ -61,7 +61,7 @@ check_config() {
 # run_or_print COMMAND...: DRY_RUN=1 prints the exact command (shell-quoted); otherwise runs torchrun,
 # relays signals and exits with its status. SIGUSR1 (SLURM's pre-timeout warning, launch/slurm.sbatch;
 # docker --init passes it here) and SIGTERM / SIGINT (a scheduler's stop, Ctrl-C) go to torchrun's workers,
-# which checkpoint and exit 0 (training/stopping.py); torchrun then ends on its own, without the
+# which checkpoint and exit 0 (training/engine/stopping.py); torchrun then ends on its own, without the
 # SignalException traceback it prints when signalled itself, so it runs in its own session (a terminal's
 # Ctrl-C reaches this script only) and ignores SIGUSR1. After a SIGTERM / SIGINT stop one line says where
 # the run stopped and how to resume (stop_summary), exit 0; after a failure one line names the rank that

@@ -7,19 +7,19 @@ fused QKV weight is laid out per query group, as in Megatron-Core:
 so a contiguous TP shard of its rows holds whole groups: ng/tp groups, np/tp query heads.
 """
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from models.context_parallel import AllGatherKVAttention
+from models.core_attention import CoreAttention
 from models.kv_cache import KVCache
 from models.linear import ColumnParallelLinear, RowParallelLinear
 from models.shape import ModelShape, Split
+
 
 class ApplyRope(torch.autograd.Function):
     """RoPE, non-interleaved, on q and k at once: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] on
@@ -57,28 +57,6 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
     return out
 
 
-class CoreAttention(torch.nn.Module):
-    """softmax(q k^T / sqrt(hn)) v with a causal mask, via torch's scaled_dot_product_attention.
-
-    Attention dropout acts on sharded heads, so it is drawn from the TP-distinct RNG stream.
-    """
-
-    def __init__(self, config: TransformerConfig):
-        super().__init__()
-        self.dropout_p = config.attention_dropout
-
-    def forward(self, q, k, v, mask=None):  # q [s, b, np/tp, hn]; k, v [s_k, b, ng/tp, hn]; mask [b, 1, s, s_k]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/tp, s(_k), hn]
-        dropout_p = self.dropout_p if self.training else 0.0
-        # without dropout no random numbers are drawn: the fork (~40 us of RNG state copies) would cost ~15% of
-        # a small attention call on CPU for nothing
-        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                                                 enable_gqa=k.shape[1] != q.shape[1])  # mask: generation's cache
-        b, n, s, hn = out.shape
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)  # [s, b, np/tp * hn]
-
-
 class SelfAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int | None = None):
         super().__init__(config=config)
@@ -93,7 +71,7 @@ class SelfAttention(MegatronModule):
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
         )
         self.core_attention = CoreAttention(config) if config.context_parallel_size == 1 else \
-            _context_parallel_core(config)  # parallel.cp > 1: K/V all-gathered over the CP group
+            AllGatherKVAttention(config)  # parallel.cp > 1: K/V all-gathered over the CP group
         self.selective_recompute = config.recompute_granularity == "selective"
         self._rope_cache = (None, None, None)  # (freqs, cos, sin): the last rotary table seen, and its cos, sin
         self.linear_proj = RowParallelLinear(
@@ -172,12 +150,6 @@ class SelfAttention(MegatronModule):
             out[f"q_proj.{kind}"], out[f"k_proj.{kind}"], out[f"v_proj.{kind}"] = (t.flatten(0, 1) for t in (q, k, v))
             out[f"o_proj.{kind}"] = get(f"linear_proj.{kind}")
         return out
-
-
-def _context_parallel_core(config: TransformerConfig) -> CoreAttention:
-    from models.context_parallel import AllGatherKVAttention  # it builds on CoreAttention, defined above
-
-    return AllGatherKVAttention(config)
 
 
 def _hf_kinds(config: TransformerConfig) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Context-parallel causal attention without Transformer Engine: K and V all-gathered over the CP group.
 
 Under parallel.cp = cp every sequence is cut into 2 x cp equal chunks and CP rank r holds chunks r and
-2cp-1-r (Megatron-Core's zigzag split, done on the batch by training/context_parallel.py), so each rank has
+2cp-1-r (Megatron-Core's zigzag split, done on the batch by training/parallel/context.py), so each rank has
 the same causal work. Queries stay local. Keys and values are all-gathered over the CP group
 (`gather_from_sequence_parallel_region`: all-gather forward, reduce-scatter of their gradients backward), and
 SDPA runs with the causal mask on global positions: query i sees key j iff position(i) >= position(j). This
@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.attention import CoreAttention
+from models.core_attention import CoreAttention
 
 
 def zigzag_positions(rank: int, cp: int, local_length: int, device=None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Named extra losses (a router's load-balancing loss, a z-loss, an activation penalty) and other per-step
 statistics of the blocks (a MoE layer's tokens per expert): recorded during a step, reduced over every
-rank once per step by training/losses.py and logged next to the LM loss. No engine edit per new one.
+rank once per step by training/engine/losses.py and logged next to the LM loss. No engine edit per new one.
 
     out = attach(out, penalty, name="act_penalty", coeff=1e-2)   # penalty: a scalar, mean over out's tokens
 

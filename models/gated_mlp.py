@@ -23,7 +23,7 @@ class GatedMLP(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int | None = None):
         super().__init__(config=config)
         h, ffn = config.hidden_size, config.ffn_hidden_size
-        self.activation = config.activation_func  # F.gelu or F.silu (training/bridge.py)
+        self.activation = config.activation_func  # F.gelu or F.silu (training/engine/bridge.py)
 
         def column():  # h -> ffn/tp on each TP rank
             return tensor_parallel.ColumnParallelLinear(h, ffn, config=config, init_method=config.init_method,

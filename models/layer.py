@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.shape import ModelShape
 from models.spec import layer_spec
 
-# Hugging Face (Llama) names of the sub-blocks, for training/tools/hf.py: ours -> theirs (model.layers.<i>.*)
+# Hugging Face (Llama) names of the sub-blocks, for training/interop/hf.py: ours -> theirs (model.layers.<i>.*)
 HF_NAMES = {"input_layernorm": "input_layernorm", "self_attention": "self_attn",
             "pre_mlp_layernorm": "post_attention_layernorm", "mlp": "mlp"}
 

@@ -4,7 +4,7 @@
 There Megatron-Core's path adds nothing but cost: two identity autograd Functions per layer (the copy to and
 the reduce from the TP region, which are no-ops at tp = 1) and its Python `LinearWithGradAccumulation...`
 Function, whose backward is the same two GEMMs torch runs (and weight-gradient accumulation fusion is off
-without apex: training/bridge.py). Measured on CPU, tiny preset: ~7% of a training step. The arithmetic is
+without apex: training/engine/bridge.py). Measured on CPU, tiny preset: ~7% of a training step. The arithmetic is
 the same (matmul, then + bias, as Megatron-Core's forward), so the gradients are too; everything else
 (parameters, their TP attributes, init, checkpoints, the tied output weight) is Megatron-Core's class. With
 tp > 1 the classes are exactly Megatron-Core's.

@@ -11,7 +11,7 @@ chain (dense + expert); the router attaches its load-balancing loss (and z-loss)
 its own gradient scale (MoEAuxLossAutoScaler). This file adds what the template reads: the parameter
 count per GPU and the FLOPs of the active experts, the statistics for the logs (the router's losses and
 the tokens each expert got, models/extra_losses.py), and the Hugging Face (Mixtral) weight mapping.
-Megatron-Core's MoE layer needs sequence parallelism with TP > 1 and no linear biases (training/validate.py).
+Megatron-Core's MoE layer needs sequence parallelism with TP > 1 and no linear biases (training/config/validate.py).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class Norm(MegatronModule):
 
     # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `*layernorm` / `norm` ---------
     # The same names on both sides ("weight", "bias" for LayerNorm; Llama's RMSNorm has no bias). `get` reads
-    # a tensor by name relative to the block, each side's names; training/tools/hf.py walks the model.
+    # a tensor by name relative to the block, each side's names; training/interop/hf.py walks the model.
     @staticmethod
     def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
         return {name: get(name) for name in _hf_names(config)}

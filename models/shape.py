@@ -1,6 +1,6 @@
 """The model's shape, resolved once from the config: every size that the model, the engine and the tools
 derive (FFN width, query groups, head dim, padded vocabulary, each layer's blocks) is computed here and
-read from here: by training/bridge.py (Megatron-Core's TransformerConfig), validation, the memory
+read from here: by training/engine/bridge.py (Megatron-Core's TransformerConfig), validation, the memory
 estimate, the FLOPs count, the planner, Hugging Face conversion and the checkpoint shape check.
 
     shape = ModelShape.of(cfg.model, vocab_size)     # vocab_size: the tokenizer's (None before it is known)
@@ -76,7 +76,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, model, vocab_size: int | None = None) -> ModelShape:
-        """From a training.config.ModelConfig (read by attribute); vocab_size overrides model.vocab_size."""
+        """From a training.config.schema.ModelConfig (read by attribute); vocab_size overrides model.vocab_size."""
         heads, hidden = model.num_attention_heads, model.hidden_size
         moe = model.moe
         ffn = model.ffn_hidden_size or 4 * hidden

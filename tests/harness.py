@@ -22,7 +22,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from training.net import free_port
+from training.parallel.spawn import free_port
 
 # Collective timeout inside the workers: short, so a hang shows up as an error, not a 30-minute wait.
 WORKER_COLLECTIVE_TIMEOUT_MIN = 2.0

@@ -2,18 +2,17 @@
 produced (loss, logits, every parameter's gradient) back into full, single-process shapes.
 
 The parent test process calls `run_layout(overrides, world_size, weights, batch)`; inside each rank
-the model is built by the real engine (training.build: Megatron-Core DDP, schedules,
+the model is built by the real engine (training.engine.build: Megatron-Core DDP, schedules,
 finalize_model_grads), the full weights are sliced into this rank's shards, and the step runs through
-`training.step.run_schedule`. Each rank returns its shards tagged with how they were cut; `assemble`
+`training.engine.step.run_schedule`. Each rank returns its shards tagged with how they were cut; `assemble`
 glues them back (and checks that replicas agree).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from harness import run_distributed
+from torch.distributed.tensor import DTensor
 
 VOCAB = 101  # deliberately not a multiple of 2: padding must not change anything
 
@@ -98,13 +97,13 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
     from models.gpt import num_params
     from models.shape import ModelShape
     from models.spec import extra_stats
-    from training import dist as D
-    from training.build import build, unwrap
-    from training.compose import compose
-    from training.data import micro_batch_streams
-    from training.losses import extra_losses, global_loss
-    from training.step import run_schedule, train_step
-    from training.validate import validate
+    from training.config.compose import compose
+    from training.config.validate import validate
+    from training.data.datasets import micro_batch_streams
+    from training.engine.build import build, unwrap
+    from training.engine.losses import extra_losses, global_loss
+    from training.engine.step import run_schedule, train_step
+    from training.parallel import dist as D
 
     cfg = compose(overrides)
     derived = validate(cfg)
@@ -179,7 +178,7 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
                "counts": (built, estimated),
                "expert_buffers": sum(len(getattr(chunk, "expert_parallel_buffers", [])) for chunk in state.model)}
         if want_logits and p.pp == 1:
-            from training.context_parallel import gather_sequence, split_batch
+            from training.parallel.context import gather_sequence, split_batch
 
             model = state.model[0]  # through DDP / FSDP (FSDP gathers its parameters in its forward hooks)
             model.eval()
@@ -213,7 +212,7 @@ def _rank_steps(specs: list[tuple], batch: list[dict]) -> list:
     """Every spec in turn in one process group (imports and the group are paid for once)."""
     import traceback
 
-    from training import dist as D
+    from training.parallel import dist as D
 
     results = []
     try:

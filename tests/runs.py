@@ -1,4 +1,4 @@
-"""Run the real training loop (training.loop.run) on N gloo processes and read what it wrote.
+"""Run the real training loop (training.engine.loop.run) on N gloo processes and read what it wrote.
 
 Cheaper than torchrun + Hydra (no extra interpreter per run); the launch path itself is covered by
 tests/test_end_to_end.py and tests/test_launch.py.
@@ -17,9 +17,9 @@ QUICK = ["model.num_layers=2", "model.seq_length=64", "train.micro_batch_size=2"
 
 
 def _train(overrides: list[str], run_dir: str) -> dict:
-    from training.compose import compose
-    from training.loop import run
-    from training.validate import validate
+    from training.config.compose import compose
+    from training.config.validate import validate
+    from training.engine.loop import run
 
     cfg = compose(overrides)
     if cfg.checkpoint.dir is not None and not Path(cfg.checkpoint.dir).is_absolute():

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,13 +35,13 @@ MODELS = {
 
 def _both_models(models: dict) -> dict:
     """Per model variant: [(loss, grad norm)] of two train_steps, for ours and for Megatron-Core's."""
-    from training import dist as D
-    from training.tools import benchmark as bm
-    from training.build import build
-    from training.compose import compose
     from models.shape import ModelShape
-    from training.step import train_step
-    from training.validate import validate
+    from training.bench import benchmark as bm
+    from training.config.compose import compose
+    from training.config.validate import validate
+    from training.engine.build import build
+    from training.engine.step import train_step
+    from training.parallel import dist as D
 
     out = {}
     with D.distributed(tp=2, timeout_minutes=2) as info:  # one process group for every variant
@@ -85,12 +84,14 @@ def _ours_and_hf(steps: int) -> dict:
     learning rates, and the weights after (ours in HF names)."""
     from models.gpt import to_hf
     from models.shape import ModelShape
-    from training import dist as D
-    from training.build import build, unwrap
-    from training.compose import compose
-    from training.step import train_step
-    from training.tools import bench_hf, benchmark as bm, hf
-    from training.validate import validate
+    from training.bench import bench_hf
+    from training.bench import benchmark as bm
+    from training.config.compose import compose
+    from training.config.validate import validate
+    from training.engine.build import build, unwrap
+    from training.engine.step import train_step
+    from training.interop import hf
+    from training.parallel import dist as D
 
     cfg = compose(HF_OVERRIDES)
     derived = validate(cfg)
@@ -227,8 +228,8 @@ def test_gpu_bf16_same_loss_as_mcore_and_timings(spec):
 
 
 def test_layout_names_parse_to_processes_and_overrides():
+    from training.bench.layouts import parse
     from training.errors import ConfigError
-    from training.tools.bench_layouts import parse
 
     assert parse("tp1") == (1, ["parallel.tp=1"]) and parse("single") == (1, [])
     assert parse("dp2") == (2, [])

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_distributed
 from layouts import assemble, global_name
 from runs import QUICK, losses, train
@@ -54,9 +53,10 @@ def _moments_after_load(overrides: list[str], checkpoint_dir: str) -> dict:
     from megatron.core import parallel_state as ps
 
     from models.shape import ModelShape
-    from training import checkpoint, dist as D
-    from training.build import build, unwrap
-    from training.compose import compose
+    from training.checkpoint import torch_dist as checkpoint
+    from training.config.compose import compose
+    from training.engine.build import build, unwrap
+    from training.parallel import dist as D
 
     cfg = compose(QUICK + overrides + [f"checkpoint.load={checkpoint_dir}", "checkpoint.dir=null"])
     with D.distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, timeout_minutes=2) as info:
@@ -176,10 +176,11 @@ def _load_each(override_sets: list[list[str]], save_weights_to: str | None = Non
     """In one process: optionally save a bare model's weights (what conversions write), then for each
     override set build the model and load per its checkpoint settings; 'loaded iteration N' or the error."""
     from models.shape import ModelShape
-    from training import checkpoint, dist as D
-    from training.build import build
-    from training.compose import compose
+    from training.checkpoint import torch_dist as checkpoint
+    from training.config.compose import compose
+    from training.engine.build import build
     from training.errors import TemplateError
+    from training.parallel import dist as D
 
     results = []
     with D.distributed(timeout_minutes=2) as info:

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from training.compose import CONF_DIR, compose
+from training.config.compose import CONF_DIR, compose
+from training.config.validate import validate
 from training.errors import ConfigError
-from training.validate import validate
 
 pytestmark = pytest.mark.fast  # the whole module: compose and validate in this process, seconds
 
@@ -77,9 +77,9 @@ def test_invalid_config_is_a_one_line_error_before_any_process_group(case):
 
 
 def test_dataclass_defaults_are_the_default_run():
-    """training/config.py's defaults equal what conf/config.yaml's default groups compose (the run dir's
+    """training/config/schema.py's defaults equal what conf/config.yaml's default groups compose (the run dir's
     config.yaml of a default run), so the schema documents the run a user gets."""
-    from training.config import Config
+    from training.config.schema import Config
 
     assert compose([]) == Config()
 

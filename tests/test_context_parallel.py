@@ -11,7 +11,6 @@ follow the tokens' global positions.
 import json
 
 import pytest
-
 from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 from runs import train
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_distributed
 
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
@@ -52,7 +51,7 @@ def _convert(paths: dict, argvs: list[list[str]]) -> dict:
     sys.path.insert(0, str(ROOT / "tools"))
     import convert_hf
 
-    from training.tools.hf import check_tokens, reference_logits
+    from training.interop.hf import check_tokens, reference_logits
 
     _hf_model(paths["hf"], tied=False, shard="100KB")  # sharded: several files + model.safetensors.index.json
     _hf_model(paths["hf_tied"], tied=True)
@@ -102,8 +101,8 @@ UNSUPPORTED = {"rope_scaling": dict(rope_scaling={"rope_type": "llama3", "factor
 
 
 def _refusals() -> dict:
-    """training.tools.hf.model_fields' error for each UNSUPPORTED change of a valid config.json."""
-    from training.tools.hf import HFError, model_fields
+    """training.interop.hf.model_fields' error for each UNSUPPORTED change of a valid config.json."""
+    from training.interop.hf import HFError, model_fields
 
     base = dict(ARCH, model_type="llama", hidden_act="silu", tie_word_embeddings=False)
     assert model_fields(base)["num_query_groups"] == 2
@@ -123,7 +122,7 @@ def _mapping_round_trips() -> dict:
 
     from models import gpt as gpt_module
     from models.shape import ModelShape
-    from training.config import ModelConfig
+    from training.config.schema import ModelConfig
 
     out = {}
     for heads, groups, bias, tied in ((4, 1, False, True), (4, 4, True, False), (8, 2, True, True)):
@@ -216,10 +215,11 @@ def _logits_at_layouts(jobs: list[tuple[str, str, str, list[str]]], tokens: torc
     from megatron.core import parallel_state
 
     from models.shape import ModelShape
-    from training import checkpoint, dist as D
-    from training.build import build
-    from training.compose import compose
-    from training.tools import hf
+    from training.checkpoint import torch_dist as checkpoint
+    from training.config.compose import compose
+    from training.engine.build import build
+    from training.interop import hf
+    from training.parallel import dist as D
 
     out = {}
     for label, conf, ckpt, overrides in jobs:
@@ -354,7 +354,7 @@ def _mixtral(root: str) -> dict:
     sys.path.insert(0, str(ROOT / "tools"))
     import convert_hf
 
-    from training.tools.hf import check_tokens, reference_logits
+    from training.interop.hf import check_tokens, reference_logits
 
     paths = {name: Path(root) / name for name in ("hf", "ckpt", "exported", "again")}
     torch.manual_seed(11)

@@ -9,7 +9,6 @@ covered by tests/test_model_parallel_equivalence.py; dist_checkpointing by tests
 
 import pytest
 import torch
-
 from harness import run_distributed
 from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 
@@ -30,9 +29,8 @@ def _patch_scope():
     assert cpu_compat.apply() is True
     import megatron.core.optimizer.optimizer as mcore_optimizer
     import megatron.core.utils as mcore_utils
-    from megatron.core.tensor_parallel import random as mcore_random
-
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import random as mcore_random
 
     class Rank1Of2:  # a context-parallel group as get_pos_emb_on_this_cp_rank reads it
         size, rank = (lambda self: 2), (lambda self: 1)
@@ -80,7 +78,7 @@ def test_patches_are_scoped_to_megatron_core():
 def _rng_and_recompute():
     from megatron.core import tensor_parallel
 
-    from training import dist as D
+    from training.parallel import dist as D
 
     with D.distributed(tp=2, seed=7, timeout_minutes=2):
         tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -172,7 +170,7 @@ def _moe_dispatch_patches():
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
 
-    from training import dist as D
+    from training.parallel import dist as D
 
     with D.distributed(tp=2, timeout_minutes=2):
         group, rank = ps.get_tensor_model_parallel_group(), dist.get_rank()

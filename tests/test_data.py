@@ -17,11 +17,19 @@ import numpy as np
 import pytest
 import torch
 
-from training.config import Config
-from training.data import (MicroBatches, build_datasets, check_prefix, embedded_documents, embedded_prefix,
-                           prepare_embedded, resolve_vocab_size, write_indexed)
+from training.config.schema import Config
+from training.data.datasets import (
+    MicroBatches,
+    build_datasets,
+    check_prefix,
+    embedded_documents,
+    embedded_prefix,
+    prepare_embedded,
+    resolve_vocab_size,
+    write_indexed,
+)
+from training.data.tokenizer import ByteTokenizer, build_tokenizer
 from training.errors import ConfigError
-from training.tokenizer import ByteTokenizer, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "preprocess_data.py"
@@ -48,7 +56,7 @@ class IndexDataset:
 
 
 def read_steps(dataset, dp: int, micro: int, global_batch: int, steps: int, consumed: int = 0):
-    """What each DP rank reads per step, as training/loop.py drives it: one MicroBatches stream per rank,
+    """What each DP rank reads per step, as training/engine/loop.py drives it: one MicroBatches stream per rank,
     global_batch / (micro * dp) micro-batches per step. Returns [step][rank] -> sample indices in order."""
     streams = [MicroBatches(dataset, consumed, micro, dp, rank) for rank in range(dp)]
     per_step = global_batch // (micro * dp)

@@ -60,7 +60,7 @@ def test_preprocess_then_train_on_your_own_text(tmp_path):
     """tools/preprocess_data.py -> data.paths=[P] -> launch/train.sh trains with a falling loss."""
     import sys
 
-    from training.data import embedded_documents
+    from training.data.datasets import embedded_documents
 
     corpus = tmp_path / "corpus.txt"  # one document per line: real prose, as a user's corpus would be
     corpus.write_text("\n".join(" ".join(doc.split()) for doc in embedded_documents()) + "\n")

@@ -3,10 +3,8 @@
 import json
 
 import pytest
-
 from harness import run_distributed
 from runs import QUICK, _train, train_catching
-
 
 # A learning rate this large without clipping blows the weights up within a few steps.
 EXPLODE = ["optim.lr=1e6", "optim.min_lr=0", "optim.warmup_iters=0", "optim.clip_grad=0", "train.iters=8",
@@ -42,10 +40,10 @@ def test_profiler_writes_a_trace_of_the_window(tmp_path):
 def test_named_extra_losses_are_logged_like_the_loss(tmp_path):
     """A block's extra loss (tests/blocks.py) reaches every sink the loss does, under its name, with no loop
     edit: metrics.jsonl, the console line and TensorBoard."""
+    from blocks import PENALTY
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from blocks import PENALTY
-    from training.metrics import format_line
+    from training.engine.metrics import format_line
 
     run_distributed(_train, 1, (QUICK + ["model.mlp=blocks:PenalizedMLP", "train.iters=2", "checkpoint=none",
                                          "train.tensorboard=true"], str(tmp_path)), timeout=300)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runs import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import run_distributed
 from runs import QUICK, losses, train_catching
 
@@ -142,7 +141,7 @@ def _save_failing(overrides: list[str], run_dir: str) -> str:
     """Train with every save after the first failing as a full disk would."""
     import errno
 
-    from training import checkpoint
+    from training.checkpoint import torch_dist as checkpoint
 
     real, calls = checkpoint.dist_checkpointing.save, []
 
@@ -185,7 +184,8 @@ class _Payload:
 def _plant_and_load(run_dir: str, marker: str) -> str:
     """Save a checkpoint whose RNG state is a payload object, then resume from it."""
     from runs import _train
-    from training import checkpoint
+
+    from training.checkpoint import torch_dist as checkpoint
 
     real = checkpoint._rng_state
     checkpoint._rng_state = lambda: {**real(), "payload": _Payload(marker)}

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_distributed
 from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 from runs import QUICK, train, train_catching
@@ -121,15 +120,15 @@ def test_fsdp_resumes_exactly_reshards_over_dp_and_refuses_the_other_format(tmp_
 
 def _state_bytes(overrides: list[str], vocab_size: int) -> int:
     """This rank's bytes of parameters, gradient buffers and optimizer state after one step, each storage once
-    (training/tools/measure.py: DDP's buffers, or Megatron-FSDP's sharded buffers and DTensor shards)."""
+    (training/bench/measure.py: DDP's buffers, or Megatron-FSDP's sharded buffers and DTensor shards)."""
     from models.shape import ModelShape
-    from training import dist as D
-    from training.build import build
-    from training.compose import compose
-    from training.data import micro_batch_streams
-    from training.step import train_step
-    from training.tools.measure import state_bytes
-    from training.validate import validate
+    from training.bench.measure import state_bytes
+    from training.config.compose import compose
+    from training.config.validate import validate
+    from training.data.datasets import micro_batch_streams
+    from training.engine.build import build
+    from training.engine.step import train_step
+    from training.parallel import dist as D
 
     cfg = compose(overrides)
     derived = validate(cfg)
@@ -144,8 +143,8 @@ def _state_bytes(overrides: list[str], vocab_size: int) -> int:
 
 def test_fsdp_memory_per_rank_matches_the_estimate():
     from models.shape import ModelShape
-    from training.compose import compose
-    from training.tools.memory import Layout, estimate
+    from training.config.compose import compose
+    from training.estimate.memory import Layout, estimate
 
     base = ["model=tiny", "train.precision=bf16", "train.micro_batch_size=2", "train.global_batch_size=4",
             "checkpoint=none", "train.tensorboard=false"]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_distributed
 
 pytest.importorskip("transformers")
@@ -25,9 +24,9 @@ def _import_llama(root: str) -> dict:
     """A random HF Llama (GQA, untied, vocabulary 301) imported with tools/convert_hf.py, and transformers'
     greedy continuation of each prompt on its own."""
     import transformers
-
     from test_convert_hf import _hf_model
-    from training.tokenizer import ByteTokenizer
+
+    from training.data.tokenizer import ByteTokenizer
 
     sys.path.insert(0, str(ROOT / "tools"))
     import convert_hf
@@ -87,10 +86,10 @@ def _cache_vs_recompute(variants: dict) -> dict:
     the KV cache (prefill, then one token a step) and once recomputing the whole sequence."""
     from models.kv_cache import KVCache
     from models.shape import ModelShape
-    from training import dist as D
-    from training.build import build
-    from training.compose import compose
-    from training.tools.generation import last_logits
+    from training.config.compose import compose
+    from training.engine.build import build
+    from training.interop.generation import last_logits
+    from training.parallel import dist as D
 
     out = {}
     with D.distributed(timeout_minutes=2) as info:

@@ -1,9 +1,8 @@
-"""The multi-process test harness and distributed init/teardown (training/dist.py)."""
+"""The multi-process test harness and distributed init/teardown (training/parallel/dist.py)."""
 
 import time
 
 import pytest
-
 from harness import run_distributed
 
 
@@ -47,7 +46,7 @@ def _peer_fails_inside_distributed():
     import torch
     import torch.distributed as dist
 
-    from training import dist as D
+    from training.parallel import dist as D
 
     start = time.monotonic()
     try:
@@ -72,7 +71,7 @@ def test_a_failing_rank_does_not_leave_its_peers_hanging():
 def _layout_info():
     from megatron.core import parallel_state as ps
 
-    from training import dist as D
+    from training.parallel import dist as D
 
     with D.distributed(tp=2, pp=2, timeout_minutes=2) as info:
         return (info.dp, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
@@ -86,8 +85,8 @@ def test_init_builds_megatron_core_groups_from_torchrun_env():
 
 
 def test_world_size_not_divisible_is_one_line():
-    from training.dist import check_world_size
     from training.errors import LaunchError
+    from training.parallel.dist import check_world_size
 
     with pytest.raises(LaunchError) as err:
         check_world_size(6, tp=4, pp=1)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,6 @@ selected cases run (and the references they need): `make test-fast` runs the fas
 
 import pytest
 import torch
-
 from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 
 RTOL = 1e-5

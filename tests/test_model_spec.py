@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import run_distributed
-from training.compose import CONF_DIR, compose
+
+from training.config.compose import CONF_DIR, compose
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 # every preset, and two with the README's example block (gated_mlp: with and without biases)
@@ -23,8 +23,8 @@ def _built_counts(builds: dict) -> dict:
     from models.gpt import num_params
     from models.shape import ModelShape, Split
     from models.spec import layer_spec
-    from training import dist as D
-    from training.build import build, unwrap
+    from training.engine.build import build, unwrap
+    from training.parallel import dist as D
 
     out = {}
     with D.distributed(timeout_minutes=2):
@@ -98,15 +98,16 @@ def _objective_vs_engine(overrides: list[str]) -> dict:
     """One process: the engine's gradient (Megatron-Core's schedule + finalize_model_grads) with
     PenalizedMLP's extra loss attached, and autograd's gradient of the objective written out by hand."""
     import blocks
+    from layouts import VOCAB, make_batch
+
     from models.extra_losses import Stat
     from models.shape import ModelShape
-    from training import dist as D
-    from training.build import build, unwrap
-    from training.data import micro_batch_streams
-    from training.losses import extra_losses
-    from training.step import run_schedule
-    from training.validate import validate
-    from layouts import VOCAB, make_batch
+    from training.config.validate import validate
+    from training.data.datasets import micro_batch_streams
+    from training.engine.build import build, unwrap
+    from training.engine.losses import extra_losses
+    from training.engine.step import run_schedule
+    from training.parallel import dist as D
 
     cfg = compose(overrides)
     derived = validate(cfg, 1)

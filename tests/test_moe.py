@@ -11,7 +11,6 @@ reference's micro-batches (2 sequences): DP ranks take whole micro-batches, neve
 """
 
 import pytest
-
 from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 
 RTOL = 1e-5
@@ -111,12 +110,13 @@ def _moments_after_load(overrides: list[str]) -> dict:
     """Load a checkpoint in one process (EP1: every expert here) and return every parameter's Adam moments
     under the checkpoint's keys (the experts stacked as Megatron-Core saves them, [E, ...])."""
     import torch
+    from runs import QUICK
 
     from models.shape import ModelShape
-    from runs import QUICK
-    from training import checkpoint, dist as D
-    from training.build import build, unwrap
-    from training.compose import compose
+    from training.checkpoint import torch_dist as checkpoint
+    from training.config.compose import compose
+    from training.engine.build import build, unwrap
+    from training.parallel import dist as D
 
     cfg = compose(QUICK + overrides)
     with D.distributed(timeout_minutes=2) as info:
@@ -142,10 +142,9 @@ def test_moe_resume_across_ep_sizes_keeps_adam_state(saved, tmp_path):
     """EP2 -> EP1 and EP1 -> EP2 (Megatron-Core's optimizer layout differs there: upstream_fixes 3): Adam's
     moments after the load equal the saved ones, and training continues as the uninterrupted run did."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     from harness import run_distributed
     from runs import train
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     ep2_dir, ep2_full = saved[2]
     ckpt = ep2_dir / "checkpoints" / "iter_0000003"

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_distributed
-from training.compose import compose
+
 from models.gpt import num_params
 from models.shape import ModelShape
-from training.tools.memory import Layout, estimate, layer_activations
+from training.config.compose import compose
+from training.estimate.memory import Layout, estimate, layer_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,14 +142,14 @@ def test_plan_settings_are_checked():
 
 def _state_bytes(overrides: list[str], vocab_size: int) -> list[int]:
     """Bytes of params, DDP grad buffers and optimizer state (main params, exp_avg, exp_avg_sq) after one
-    optimizer step, each storage counted once (training/tools/measure.py); first without, then with the
+    optimizer step, each storage counted once (training/bench/measure.py); first without, then with the
     distributed optimizer."""
-    from training import dist as D
-    from training.build import build
-    from training.data import MicroBatches
-    from training.step import train_step
-    from training.tools.measure import state_bytes
-    from training.validate import validate
+    from training.bench.measure import state_bytes
+    from training.config.validate import validate
+    from training.data.datasets import MicroBatches
+    from training.engine.build import build
+    from training.engine.step import train_step
+    from training.parallel import dist as D
 
     out = []
     with D.distributed(tp=1, pp=1, seed=1, timeout_minutes=2) as info:
@@ -179,9 +179,9 @@ def test_measured_weights_grads_optimizer_match_the_estimate():
 
 
 def test_preflight_reports_on_cpu_and_stops_what_cannot_fit(tmp_path, capsys):
+    from training.config.validate import validate
     from training.errors import ConfigError
-    from training.tools.preflight import check, preflight
-    from training.validate import validate
+    from training.estimate.preflight import check, preflight
 
     cfg = compose(["model=tiny"])
     est = preflight(cfg, validate(cfg, 1), ModelShape.of(cfg.model, 257), torch.device("cpu"), tmp_path)

@@ -16,8 +16,8 @@ RoPE, tied; 0.8M parameters) at 16 x 128 tokens per step in 4 micro-batches of 4
 ~0.15-0.4 s, long against timer and scheduling noise, and runs the comparison (2 models x (3 warm-up +
 35 timed steps)) in about a minute.
 
-Every timed step is a real training step, forward + backward + optimizer, through training.build.build
-and training.step.train_step on one fixed synthetic global batch: it times compute and communication,
+Every timed step is a real training step, forward + backward + optimizer, through training.engine.build.build
+and training.engine.step.train_step on one fixed synthetic global batch: it times compute and communication,
 not data loading. With --compare-mcore, Megatron-Core's GPTModel (its local spec, or
 its Transformer Engine spec with --te) is built by the same build() with our weights copied in, its loss
 on the batch is checked against ours, and the two alternate A B A B ... in `--windows` windows of
@@ -26,7 +26,7 @@ per window by default: on a shared machine the load changes within seconds, and 
 nearly the same load, so the ratios of neighbours stay tight where window-long medians scatter.
 
 With --compare-hf the other side is transformers' LlamaForCausalLM with our weights and a plain PyTorch
-step (training/tools/bench_hf.py), one process, fp32.
+step (training/bench/bench_hf.py), one process, fp32.
 
 The vocabulary: our GPT masks padded vocabulary logits to -inf, Megatron-Core's (and HF's) does not. In a comparison
 both models get the padded size as their real vocabulary (257 bytes -> 384), so neither masks and both
@@ -40,11 +40,9 @@ import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.shims.noise import quiet_known_noise
 
-from training.shims.noise import quiet_known_noise  # noqa: E402
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -64,7 +62,7 @@ def parse_args(argv=None):
                     help="print torch.profiler's top-N ops of 3 steps per model (stderr)")
     ap.add_argument("--layouts", default=None, metavar="L1,L2,...",
                     help="one table row per layout (tp1, tp2, dp2, pp2, tp2dp2distopt, zero3, ...: "
-                         "training/tools/bench_layouts.py), each run as its own --detail bench")
+                         "training/bench/layouts.py), each run as its own --detail bench")
     ap.add_argument("--detail", action="store_true", help="also measure per-rank state bytes, activations "
                     "saved per micro-batch and the collectives' share of the step (profiler, 3 steps)")
     ap.add_argument("--nproc", type=int, default=1, help="processes to spawn (ignored under torchrun)")
@@ -89,17 +87,17 @@ def measure(args) -> dict:
 
     from models.gpt import flops_per_token
     from models.shape import ModelShape
-    from training import dist as D
-    from training.build import build
-    from training.compose import compose
-    from training.losses import global_loss
-    from training.metrics import memory_gb, peak_tflops
-    from training.step import forward_step, run_schedule
-    from training.tokenizer import build_tokenizer
-    from training.tools import benchmark as bm
-    from training.tools.measure import measure_detail
-    from training.tools.memory import Layout, estimate
-    from training.validate import validate
+    from training.bench import benchmark as bm
+    from training.bench.measure import measure_detail
+    from training.config.compose import compose
+    from training.config.validate import validate
+    from training.data.tokenizer import build_tokenizer
+    from training.engine.build import build
+    from training.engine.losses import global_loss
+    from training.engine.metrics import memory_gb, peak_tflops
+    from training.engine.step import forward_step, run_schedule
+    from training.estimate.memory import Layout, estimate
+    from training.parallel import dist as D
 
     cfg = compose(args.overrides)
     derived = validate(cfg)
@@ -179,9 +177,9 @@ def measure(args) -> dict:
 
 def compare_hf(args, cfg, ours, batch, device, run_ours, loss_ours: float) -> dict:
     """transformers' LlamaForCausalLM at our shape and weights: its loss on the batch, then A B A B windows."""
+    from training.bench import bench_hf
+    from training.bench import benchmark as bm
     from training.errors import ConfigError
-    from training.tools import bench_hf
-    from training.tools import benchmark as bm
 
     p = cfg.parallel
     if p.tp * p.pp * p.cp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -269,8 +267,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
 
 def bench_layouts(args) -> int:
+    from training.bench import layouts as bl
     from training.errors import ConfigError
-    from training.tools import bench_layouts as bl
 
     names = [n for n in args.layouts.split(",") if n]
     try:
@@ -292,7 +290,7 @@ def bench_layouts(args) -> int:
 
 
 def main(argv=None) -> int:
-    from training.net import free_port
+    from training.parallel.spawn import free_port
 
     args = parse_args(argv)
     if args.layouts:

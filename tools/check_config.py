@@ -9,20 +9,17 @@ Prints one summary line and exits 0, or one line per problem (`error: ...`) and 
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.errors import exit_on_error  # noqa: E402
-from training.shims.noise import quiet_known_noise  # noqa: E402
+from training.errors import exit_on_error
+from training.shims.noise import quiet_known_noise
 
 
 def check(argv: list[str]) -> None:
-    from training.compose import compose
+    from training.config.compose import compose
+    from training.config.validate import validate
     from training.errors import LaunchError
-    from training.net import port_problem
+    from training.parallel.spawn import port_problem
     from training.shims.cpu_compat import check_mcore_version
-    from training.validate import validate
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=None, help="rendezvous port that must be free")

@@ -16,9 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.errors import ConfigError, exit_on_error  # noqa: E402
+from training.errors import ConfigError, exit_on_error
 
 PANELS = (("loss", "train loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens / s"))

@@ -35,10 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.errors import TemplateError, exit_on_error  # noqa: E402
-from training.shims.noise import quiet_known_noise  # noqa: E402
+from training.errors import TemplateError, exit_on_error
+from training.shims.noise import quiet_known_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -61,8 +59,8 @@ def empty_dir(path: Path, what: str) -> Path:
 
 def check(state, vocab_size: int, seq_length: int, hf_dir: Path, precision: str, tolerance: float | None) -> bool:
     """Our logits vs transformers' on the same tokens; prints both differences, True when within tolerance."""
-    from training.tools import hf
-    from training.dist import current_device
+    from training.interop import hf
+    from training.parallel.dist import current_device
 
     tokens = hf.check_tokens(vocab_size, seq_length)
     ours = hf.full_logits(state, tokens.to(current_device()), vocab_size).cpu()
@@ -80,12 +78,13 @@ def do_import(args, overrides: list[str]) -> bool:
     from omegaconf import OmegaConf
 
     from models.shape import ModelShape
-    from training import checkpoint, dist as D
-    from training.build import build
-    from training.compose import compose
-    from training.config import ParallelConfig
-    from training.tools import hf
-    from training.validate import validate
+    from training.checkpoint import torch_dist as checkpoint
+    from training.config.compose import compose
+    from training.config.schema import ParallelConfig
+    from training.config.validate import validate
+    from training.engine.build import build
+    from training.interop import hf
+    from training.parallel import dist as D
 
     hf_dir = Path(args.hf_dir)
     if not (hf_dir / "config.json").is_file():
@@ -136,10 +135,11 @@ def do_import(args, overrides: list[str]) -> bool:
 
 def do_export(args) -> bool:
     from models.shape import ModelShape
-    from training import checkpoint, dist as D
-    from training.build import build
-    from training.config import ParallelConfig, to_config
-    from training.tools import hf
+    from training.checkpoint import torch_dist as checkpoint
+    from training.config.schema import ParallelConfig, to_config
+    from training.engine.build import build
+    from training.interop import hf
+    from training.parallel import dist as D
 
     path = checkpoint.resolve_path(args.ckpt)
     run = json.loads((path / checkpoint.RUN_FILE).read_text())
@@ -192,7 +192,7 @@ def parse(argv: list[str]):
 
 
 def convert(argv: list[str]) -> int:
-    from training.dist import single_process_env
+    from training.parallel.dist import single_process_env
 
     args, overrides = parse(argv)
     if args.command == "export" and overrides:

@@ -22,11 +22,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.errors import ConfigError  # noqa: E402
-from training.shims.noise import quiet_known_noise  # noqa: E402
-from training.tools.local_launch import run_local  # noqa: E402
+from training.errors import ConfigError
+from training.parallel.launch_local import run_local
+from training.shims.noise import quiet_known_noise
 
 
 def parse_args(argv):
@@ -67,16 +65,15 @@ def text_windows(path: str, tokenizer, seq_length: int) -> list[dict]:
 
 def run(args) -> None:
     import torch
-
     from megatron.core import parallel_state as ps
 
-    from training import dist as D
-    from training.data import build_datasets, micro_batch_streams, reads_data
-    from training.losses import global_loss_sum
-    from training.step import run_schedule
-    from training.tokenizer import build_tokenizer
-    from training.tools.generation import inference_config, load_model
-    from training.validate import validate
+    from training.config.validate import validate
+    from training.data.datasets import build_datasets, micro_batch_streams, reads_data
+    from training.data.tokenizer import build_tokenizer
+    from training.engine.losses import global_loss_sum
+    from training.engine.step import run_schedule
+    from training.interop.generation import inference_config, load_model
+    from training.parallel import dist as D
 
     quiet_known_noise()
     cfg, shape, path = inference_config(args.ckpt, args.overrides, for_generation=False)

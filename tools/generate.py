@@ -24,11 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.errors import ConfigError, exit_on_error  # noqa: E402
-from training.shims.noise import quiet_known_noise  # noqa: E402
-from training.tools.local_launch import run_local  # noqa: E402
+from training.errors import ConfigError, exit_on_error
+from training.parallel.launch_local import run_local
+from training.shims.noise import quiet_known_noise
 
 
 def parse_args(argv):
@@ -78,9 +76,9 @@ def run(args) -> None:
     """In every process (torchrun or a spawned worker)."""
     import torch
 
-    from training import dist as D
-    from training.tokenizer import build_tokenizer
-    from training.tools.generation import Sampling, generate, inference_config, load_model, random_config
+    from training.data.tokenizer import build_tokenizer
+    from training.interop.generation import Sampling, generate, inference_config, load_model, random_config
+    from training.parallel import dist as D
 
     quiet_known_noise()
     cfg, shape, path = inference_config(args.ckpt, args.overrides) if args.ckpt else random_config(args.overrides)

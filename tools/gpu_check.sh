@@ -48,7 +48,7 @@ for log in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.log")):
         continue
     r = json.loads(lines[-1])
     mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-    est = r["estimate_gb"]  # training/tools/memory.py's estimate vs torch.cuda.max_memory_allocated (goal: 10%)
+    est = r["estimate_gb"]  # training/estimate/memory.py's estimate vs torch.cuda.max_memory_allocated (goal: 10%)
     print(f"{log.stem:<32} {1e3 * r['ours_s']:8.1f} ms/step {r['tokens_per_s']:>10,.0f} tok/s "
           f"{r['tflops_per_device']:7.1f} TFLOP/s  MFU {mfu}  mem {r['mem_gb']:.2f} GB (estimate {est:.2f}, "
           f"{r['mem_gb'] / est - 1:+.1%})  ({r['device']})")

@@ -1,5 +1,5 @@
 """Layout planner: every valid (tp, pp, vpp, cp, sp, dist_opt, recompute, ep) for a model on nodes x GPUs, with
-the per-GPU memory estimate of training/tools/memory.py, the pipeline bubble and the communication volume per
+the per-GPU memory estimate of training/estimate/memory.py, the pipeline bubble and the communication volume per
 step; ranked, and the best layout that fits is recommended with the overrides that select it.
 
     python tools/plan.py model=llama2_7b plan.gpus_per_node=8 plan.nodes=1 plan.gpu_mem_gb=80
@@ -37,11 +37,8 @@ import dataclasses
 import itertools
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.shims.noise import quiet_known_noise  # noqa: E402
+from training.shims.noise import quiet_known_noise
 
 PLAN_DEFAULTS = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_gb": 80.0, "flash_attention": True,
                  "tflops": 400.0, "link_gbps": 200.0, "internode_gbps": 40.0, "top": 15}  # reasons: docstring
@@ -84,11 +81,11 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
-    """[(Layout, config with that layout)] for every layout training/validate.py accepts at this world,
+    """[(Layout, config with that layout)] for every layout training/config/validate.py accepts at this world,
     and the problems of the first rejected one (all of them rejected = a problem no layout can fix)."""
-    from training.config import Recompute
-    from training.tools.memory import Layout
-    from training.validate import problems
+    from training.config.schema import Recompute
+    from training.config.validate import problems
+    from training.estimate.memory import Layout
 
     m, p = cfg.model, cfg.parallel
     found_first: list[str] = []
@@ -127,7 +124,7 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
 def assess(option, shape, lay, settings: dict) -> dict:
     """Memory, bubble, traffic and score of one layout (shape: models/shape.py's ModelShape)."""
     from models.gpt import flops_per_token as training_flops
-    from training.tools.memory import GB, estimate
+    from training.estimate.memory import GB, estimate
 
     t = option.train
     world = settings["gpus_per_node"] * settings["nodes"]
@@ -216,9 +213,9 @@ def plan(settings: dict, overrides: list[str]) -> tuple[list[dict], str]:
     """Ranked rows (the recommended one flagged) and a header describing the problem."""
     from models.gpt import num_params
     from models.shape import ModelShape
-    from training.compose import compose
-    from training.data import resolve_vocab_size
-    from training.tokenizer import build_tokenizer
+    from training.config.compose import compose
+    from training.data.datasets import resolve_vocab_size
+    from training.data.tokenizer import build_tokenizer
 
     cfg = compose(overrides)
     shape = ModelShape.of(cfg.model, resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer)))

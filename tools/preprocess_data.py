@@ -31,11 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.data.tokenizer import build_tokenizer
 
-# Light imports only: worker processes start before torch / Megatron-Core are imported (training.data).
-from training.errors import ConfigError, TemplateError, exit_on_error  # noqa: E402
-from training.tokenizer import build_tokenizer  # noqa: E402
+# Light imports only: worker processes start before torch / Megatron-Core are imported (training.data.datasets).
+from training.errors import ConfigError, TemplateError, exit_on_error
 
 CHUNK_BYTES = 1 << 20  # input per worker task: amortises inter-process pickling, keeps progress smooth
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -149,7 +148,7 @@ def preprocess(files: list[str], prefix: str, tokenizer, spec: str, json_key: st
     global _tokenizer
     tasks = chunks(files, json_key)
     with contextlib.ExitStack() as stack:
-        # The pool starts before training.data imports torch and Megatron-Core (~10 s on 2 cores): forking
+        # The pool starts before training.data.datasets imports torch and Megatron-Core (~10 s on 2 cores): forking
         # a process without torch's threads is safe and cheap, and spawn-started workers import only this
         # light module.
         pool = stack.enter_context(multiprocessing.Pool(workers, init_worker, (spec,))) if workers > 1 else None
@@ -163,13 +162,14 @@ def preprocess(files: list[str], prefix: str, tokenizer, spec: str, json_key: st
 
 
 def import_write_indexed():
-    """training.data.write_indexed, without Megatron-Core's import-time notices (TE/Apex fallbacks, rank
+    """training.data.datasets.write_indexed, without Megatron-Core's import-time notices (TE/Apex fallbacks, rank
     guesses, no CUDA runtime) that say nothing about writing a dataset."""
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module=r"megatron\.")
-        from training.data import write_indexed
         from megatron.core.datasets import indexed_dataset  # noqa: F401 - imported here, under the filter
+
+        from training.data.datasets import write_indexed
     return write_indexed
 
 

@@ -31,7 +31,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 FP32_TOL, BF16_TOL = 1e-5, 1e-3
 
 # name -> (processes, overrides). Global batch 16, micro 4 by default (conf/train/default.yaml).
@@ -68,8 +67,8 @@ LAYOUTS = {
 def default_layouts(user_overrides: list[str]) -> tuple[list[str], list[str]]:
     """(the layouts that can run this model, the others with why). A MoE's load-balancing loss depends on
     which sequences share a micro-batch: layouts that change the micro-batch size compute another loss."""
-    from training.compose import compose
-    from training.validate import problems
+    from training.config.compose import compose
+    from training.config.validate import problems
 
     cfg = compose(user_overrides)
     moe = bool(cfg.model.moe.num_experts)
@@ -86,7 +85,7 @@ def default_layouts(user_overrides: list[str]) -> tuple[list[str], list[str]]:
 
 
 def launch(nproc: int, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    from training.net import free_port
+    from training.parallel.spawn import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "train.py"),

@@ -1,6 +1,6 @@
 """Megatron-Core on CPU: the one place that makes megatron-core run without CUDA (gloo backend).
 
-Megatron-Core assumes CUDA. On a machine without a GPU, `apply()` (called by `training.dist` before any
+Megatron-Core assumes CUDA. On a machine without a GPU, `apply()` (called by `training.parallel.dist` before any
 Megatron-Core object is built, and only when `torch.cuda.is_available()` is False) installs the patches
 below. Each patch is named, says why it exists, and has a gloo test in tests/test_cpu_compat.py. They are
 pinned to one megatron-core release: another version is refused, because the call sites are version-specific.

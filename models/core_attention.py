@@ -1,0 +1,31 @@
+"""The attention core: softmax(q k^T / sqrt(hn)) v on this rank's heads (models/attention.py builds on it;
+models/context_parallel.py extends it with K/V gathered over the context-parallel group)."""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class CoreAttention(torch.nn.Module):
+    """softmax(q k^T / sqrt(hn)) v with a causal mask, via torch's scaled_dot_product_attention.
+
+    Attention dropout acts on sharded heads, so it is drawn from the TP-distinct RNG stream.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.dropout_p = config.attention_dropout
+
+    def forward(self, q, k, v, mask=None):  # q [s, b, np/tp, hn]; k, v [s_k, b, ng/tp, hn]; mask [b, 1, s, s_k]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/tp, s(_k), hn]
+        dropout_p = self.dropout_p if self.training else 0.0
+        # without dropout no random numbers are drawn: the fork (~40 us of RNG state copies) would cost ~15% of
+        # a small attention call on CPU for nothing
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+                                                 enable_gqa=k.shape[1] != q.shape[1])  # mask: generation's cache
+        b, n, s, hn = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)  # [s, b, np/tp * hn]

@@ -1,0 +1,228 @@
+"""The typed config schema. Hydra composes conf/*.yaml onto these dataclasses; every field has a default
+and a one-line reason, and the defaults are the default run's (conf/config.yaml's groups: a test composes
+both and compares). A field with a fixed set of choices is an Enum: OmegaConf refuses any other value
+while composing (training/config/compose.py makes that one line). Cross-field rules live in training/config/validate.py
+and run before any process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Optional
+
+
+class PositionEmbedding(StrEnum):
+    rope = "rope"
+    learned = "learned"
+
+
+class Normalization(StrEnum):
+    LayerNorm = "LayerNorm"
+    RMSNorm = "RMSNorm"
+
+
+class Activation(StrEnum):
+    gelu = "gelu"
+    swiglu = "swiglu"  # gated: SiLU(gate) * up, fc1 doubled
+
+
+class Recompute(StrEnum):
+    none = "none"
+    selective = "selective"  # core attention only
+    full = "full"  # every layer from its input
+
+
+class ScoreFunction(StrEnum):
+    softmax = "softmax"  # Mixtral, Qwen-MoE
+    sigmoid = "sigmoid"  # DeepSeek-V3
+
+
+class Dispatcher(StrEnum):
+    alltoall = "alltoall"  # tokens travel to their experts' ranks: the expert-parallel default
+    allgather = "allgather"  # every rank gathers all tokens and keeps its experts' (small EP, or EP=1)
+
+
+class DecayStyle(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # bf16 params/activations, fp32 main params and grads
+
+
+class Fsdp(StrEnum):
+    none = "none"  # DDP (+ the distributed optimizer with parallel.dist_opt: ZeRO-1)
+    optim_grads = "optim_grads"  # ZeRO-2: Megatron-FSDP shards gradients and optimizer state over DP
+    optim_grads_params = "optim_grads_params"  # ZeRO-3: also the parameters, gathered per layer when used
+
+
+class OnSaveError(StrEnum):
+    stop = "stop"  # a failed save ends the run (with an error naming it); the last checkpoint stays latest
+    warn = "warn"  # say so and train on; the next save tries again
+
+
+class NanPolicy(StrEnum):
+    stop = "stop"
+    skip = "skip"
+
+
+@dataclass
+class MoEConfig:
+    num_experts: Optional[int] = None  # experts in each MoE layer; null = a dense model
+    top_k: int = 2  # experts each token goes to (Mixtral: 2 of 8)
+    ffn_hidden_size: Optional[int] = None  # one expert's FFN width; null = model.ffn_hidden_size (Mixtral)
+    shared_expert_ffn_hidden_size: Optional[int] = None  # an always-on shared expert (Qwen-MoE); null = none
+    layer_freq: int = 1  # after first_dense, every k-th layer is MoE, from the first (1: all of them)
+    first_dense: int = 0  # the first n layers keep a dense MLP (DeepSeek: 1 to 3)
+    aux_loss_coeff: float = 1e-2  # load-balancing loss weight (Switch Transformer's 1e-2); 0 = off
+    z_loss_coeff: Optional[float] = None  # router z-loss weight (ST-MoE: 1e-3); null = off
+    score_function: ScoreFunction = ScoreFunction.softmax  # router scores
+    pre_softmax: bool = False  # softmax over all experts before top-k (Qwen); false: over the k (Mixtral)
+    dispatcher: Dispatcher = Dispatcher.alltoall  # how tokens reach the experts (Megatron-LM's EP default)
+    capacity_factor: Optional[float] = None  # drop tokens beyond this x an expert's mean load; null = none
+    grouped_gemm: bool = False  # Transformer Engine's grouped GEMM experts (TEGroupedMLP); needs TE
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # preset name, for logs and checkpoint metadata
+    num_layers: int = 4  # transformer layers in the whole model (split across pipeline stages)
+    hidden_size: int = 128  # model width h
+    num_attention_heads: int = 4  # query heads; must divide by tp
+    num_query_groups: Optional[int] = 2  # K/V heads for GQA (Llama 2 70B, Llama 3); null = one per query head (MHA)
+    ffn_hidden_size: Optional[int] = 352  # MLP width (~8h/3 rounded, as Llama for SwiGLU); null = 4h (GPT-2)
+    kv_channels: Optional[int] = None  # head dim; null = hidden_size / num_attention_heads
+    vocab_size: Optional[int] = None  # null = the tokenizer's (byte: 256 bytes + EOD = 257)
+    seq_length: int = 128  # training sequence length (tokens per sample)
+    position_embedding: PositionEmbedding = PositionEmbedding.rope  # RoPE is what modern decoders use
+    rotary_base: float = 10000.0  # RoPE theta (Llama 2: 1e4, Llama 3: 5e5)
+    normalization: Normalization = Normalization.RMSNorm  # RMSNorm (Llama) | LayerNorm (GPT-2)
+    norm_epsilon: float = 1e-5  # epsilon inside the norms
+    activation: Activation = Activation.swiglu  # swiglu (Llama) | gelu (GPT-2)
+    add_bias_linear: bool = False  # biases in the linear layers (GPT-2 yes, Llama no)
+    tie_embeddings: bool = True  # output layer reuses the embedding (also across pipeline stages)
+    attention: str = "self_attention"  # the layers' attention block: a name in models/spec.py's BLOCKS or module:Class
+    mlp: str = "mlp"  # the layers' MLP block: a name in models/spec.py's BLOCKS or module:Class
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts: model.moe.num_experts > 0 turns it on
+    hidden_dropout: float = 0.0  # dropout after attention/MLP and on embeddings; 0 for pretraining
+    attention_dropout: float = 0.0  # dropout on attention probabilities
+    init_method_std: float = 0.02  # normal init std (output projections scaled by 1/sqrt(2L), Megatron)
+    make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times tp (fast GEMMs)
+    recompute: Recompute = Recompute.none  # selective (core attention) | full (every layer): compute for memory
+    fused_kernels: Optional[bool] = None  # Megatron-Core's torch.compile'd SwiGLU + cross entropy; null = on with CUDA
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel size: splits heads and MLP width; keep within one node (NVLink)
+    pp: int = 1  # pipeline parallel size: splits layers into stages
+    vpp: Optional[int] = None  # virtual stages per pipeline rank (interleaved 1F1B); null = plain 1F1B
+    sp: bool = False  # sequence parallel: shard norms/dropout activations along the sequence (needs tp>1)
+    cp: int = 1  # context parallel size: each rank holds 1/cp of every sequence (long contexts; K/V all-gathered)
+    ep: int = 1  # expert parallel size: MoE experts split over ranks of the data-parallel group (all-to-all)
+    etp: int = 1  # expert tensor parallel size: each expert's FFN split over this many ranks
+    dist_opt: bool = False  # distributed optimizer: shard fp32 main params + Adam state across DP ranks
+    fsdp: Fsdp = Fsdp.none  # Megatron-FSDP: optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3); sets dist_opt
+    overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward (bucketed)
+    overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather with forward
+    bucket_size: Optional[int] = None  # DDP bucket size in elements; null = Megatron-Core's default
+    timeout_minutes: float = 10.0  # collective timeout: a hang fails after this instead of 30 minutes
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3  # peak learning rate (after warmup); the tiny model takes a high one
+    min_lr: float = 3e-4  # learning rate at the end of decay (lr / 10)
+    warmup_iters: int = 20  # linear warmup from 0 to lr
+    decay_style: DecayStyle = DecayStyle.cosine  # cosine | linear | constant
+    decay_iters: Optional[int] = None  # iteration where decay reaches min_lr; null = train.iters
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms and biases)
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.95  # Adam second-moment decay (0.95 is the LLM norm, more stable than 0.999)
+    adam_eps: float = 1e-8  # Adam epsilon
+    clip_grad: float = 1.0  # global gradient-norm clipping; 0 disables
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)  # indexed-dataset prefixes (.bin/.idx); [] = embedded text
+    weights: Optional[list[float]] = None  # blend weights, one per path; null = proportional to size
+    split: str = "95,5,0"  # train,valid,test shares of each dataset's documents (test is unused)
+    tokenizer: str = "byte"  # byte (built in, no download) or a path to a Hugging Face tokenizer.json
+    cache_dir: Optional[str] = None  # where index caches and the embedded corpus go; null = <repo>/.cache
+    mock: bool = False  # random tokens (Megatron-Core's MockGPTDataset): for benchmarks only
+    eod_mask_loss: bool = False  # exclude the end-of-document token from the loss
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 200  # optimizer steps in the run (0: build, save the initial checkpoint, exit)
+    micro_batch_size: int = 4  # sequences per micro-batch per data-parallel rank
+    global_batch_size: int = 16  # sequences per optimizer step, all DP ranks and micro-batches together
+    seed: int = 1234  # one seed for init, dropout and data order
+    precision: Precision = Precision.fp32  # fp32 | bf16 (bf16 params/activations, fp32 main params and grads)
+    log_interval: int = 10  # iterations between log lines
+    eval_interval: int = 100  # iterations between validation runs; 0 disables
+    eval_iters: int = 2  # validation global batches per evaluation
+    save_interval: int = 0  # iterations between checkpoints; 0 = only at the end (when checkpoint.dir)
+    save_interval_minutes: float = 0.0  # also save once this much wall-clock time passed since the last; 0 = off
+    exit_interval: int = 0  # stop (after saving) at an iteration multiple of this; 0 = never
+    exit_duration_minutes: float = 0.0  # stop (after saving) after this wall-clock time; 0 = never
+    nan_policy: NanPolicy = NanPolicy.stop  # stop | skip: what a NaN/Inf loss or gradient does (before the update)
+    watchdog_factor: float = 10.0  # a step this many times the recent median is a hang (training/engine/watchdog.py); 0 = off
+    watchdog_min_seconds: float = 300.0  # ... but a step may always take this long (compiles, saves, slow disks)
+    profile: bool = False  # torch.profiler trace of iterations [profile_start, profile_end)
+    profile_start: int = 5  # first profiled iteration (after warm-up)
+    profile_end: int = 7  # first iteration after the profiled window
+    tensorboard: bool = True  # write TensorBoard scalars into <run dir>/tensorboard
+    max_memory_fraction: float = 0.9  # preflight: stop above this share of GPU memory (CUDA context, NCCL
+    # buffers and fragmentation take the rest)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = "checkpoints"  # where iter_XXXXXXX/ checkpoints go (relative: in the run dir); null = none
+    load: Optional[str] = "auto"  # auto (resume from dir's latest if any) | null (fresh) | a path
+    keep: int = 3  # newest checkpoints kept; older ones are deleted after a successful save; 0 = all
+    finetune: bool = False  # start from checkpoint.load's weights only: fresh optimizer, schedule, data, iteration 0
+    on_save_error: OnSaveError = OnSaveError.stop  # stop | warn: a save that fails (disk full) never becomes latest
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def register() -> None:
+    """Register the schema with Hydra's ConfigStore as `schema` (conf/config.yaml lists it first)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+def to_config(cfg: Any) -> Config:
+    """A composed OmegaConf (or a plain dict) -> the typed dataclass tree."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, Config):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    config = OmegaConf.to_object(merged)
+    if config.parallel.fsdp != Fsdp.none:  # Megatron-FSDP shards through the distributed optimizer
+        config.parallel.dist_opt = True
+    return config
+
+
+__all__ = ["Activation", "DecayStyle", "Dispatcher", "Fsdp", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction",
+           "Normalization", "PositionEmbedding", "Precision",
+           "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
+           "CheckpointConfig", "register", "to_config"]

@@ -1,0 +1,148 @@
+"""The one bridge from our config schema to Megatron-Core's config objects.
+
+`parallel.dist_opt` feeds both DDP and the optimizer here, so they cannot disagree; every other
+Megatron-Core knob the template sets is in this file, with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from models.shape import ModelShape
+from training.config.schema import Activation, Config, Fsdp, Precision, Recompute
+from training.shims import upstream_fixes
+
+ACTIVATIONS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu}  # swiglu: SiLU(gate) * up (gated below)
+
+
+def params_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.precision == Precision.bf16 else torch.float32
+
+
+def fused_kernels(cfg: Config) -> bool:
+    """Megatron-Core's own fusions that need neither TE nor apex (torch.compile'd: SwiGLU, vocab-parallel
+    cross entropy). null = on GPUs; off on CPU, where inductor's first compile costs ~30 s a process."""
+    return torch.cuda.is_available() if cfg.model.fused_kernels is None else cfg.model.fused_kernels
+
+
+def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
+    """Megatron-Core's TransformerConfig: the sizes from the resolved shape, the rest from cfg."""
+    m, p = cfg.model, cfg.parallel
+    fuse = fused_kernels(cfg)
+    dtype = params_dtype(cfg)
+    recompute = None if m.recompute == Recompute.none else str(m.recompute)
+    return TransformerConfig(
+        # shape (models/shape.py resolved every default: GQA groups, head dim, FFN width)
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups, ffn_hidden_size=shape.ffn_hidden_size,
+        kv_channels=shape.kv_channels, normalization=shape.normalization, layernorm_epsilon=shape.norm_epsilon,
+        add_bias_linear=shape.add_bias_linear, gated_linear_unit=shape.gated,
+        activation_func=ACTIVATIONS[m.activation],
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        # parallelism
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sp,
+        context_parallel_size=p.cp,  # models/context_parallel.py: all-gather-KV attention (no TE needed)
+        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp,
+        **moe_settings(cfg, shape),
+        **upstream_fixes.pipeline_p2p_settings(p.pp, p.vpp),
+        # CPU: build each full weight once and slice it (TP init then equals one process's); on GPU,
+        # Megatron's per-rank init on the device is much faster for large models.
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # precision: bf16 params/activations; fp32 main params and grads live in the optimizer/DDP
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        # the loss is a token sum; finalize_model_grads divides grads by the global batch's token count
+        calculate_per_token_loss=True,
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+        # free pipeline outputs once sent (Megatron-LM's default): activation memory of PP stages
+        deallocate_pipeline_outputs=True,
+        # torch.compile'd fusions (fused_kernels above): SwiGLU (models/mlp.py; MCore fuses gelu only with
+        # a bias) and the vocab-parallel cross entropy (LanguageModule.compute_language_model_loss). The
+        # latter only in bf16: 0.19.2's native version returns bf16 logit gradients whatever the dtype
+        # (fusions/fused_cross_entropy.py), exactly what bf16 runs get unfused, a ~1e-3 error in fp32.
+        bias_activation_fusion=fuse and shape.gated, cross_entropy_fusion_impl="native",
+        cross_entropy_loss_fusion=fuse and dtype == torch.bfloat16,
+        # these need TE or apex (RoPE, softmax, weight-grad accumulation) or add nothing here (bias-dropout
+        # fusion: our dropout is 0 for pretraining); TE's versions come with the TE path
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def moe_settings(cfg: Config, shape: ModelShape) -> dict:
+    """Megatron-Core's MoE fields (none for a dense model): models/moe.py builds its MoELayer from them."""
+    if not shape.num_experts:
+        return {}
+    moe = cfg.model.moe
+    return dict(
+        num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_top_k,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=shape.moe_shared_ffn_hidden_size,
+        # Switch Transformer's load-balancing loss over each micro-batch's tokens (Megatron-LM's default)
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_router_score_function=shape.moe_score_function, moe_router_pre_softmax=shape.moe_pre_softmax,
+        moe_token_dispatcher_type=str(moe.dispatcher),
+        # no token dropping unless asked: every token reaches its experts, as in one process
+        moe_expert_capacity_factor=moe.capacity_factor, moe_token_drop_policy="probs",
+        moe_pad_expert_input_to_capacity=False,
+        moe_grouped_gemm=moe.grouped_gemm,
+        # the router in fp32 (its softmax and top-k decide which expert a token goes to, also under bf16)
+        moe_router_dtype="fp32",
+    )
+
+
+def uses_fsdp(cfg: Config) -> bool:
+    """Megatron-FSDP (parallel.fsdp); training/config.to_config then also sets parallel.dist_opt."""
+    return cfg.parallel.fsdp != Fsdp.none
+
+
+def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
+    p = cfg.parallel
+    fsdp = uses_fsdp(cfg)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,  # reduce and accumulate gradients in fp32 also under bf16
+        overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.dist_opt, bucket_size=p.bucket_size,
+        average_in_collective=False,  # the per-token loss is normalised in finalize_model_grads
+        # Megatron-FSDP (training/engine/build.py wraps with its adapter): ZeRO-2 / ZeRO-3 over DP, its gradients
+        # kept and reduced in fp32 as DDP's above (its default is the parameters' dtype)
+        use_megatron_fsdp=fsdp, data_parallel_sharding_strategy=str(p.fsdp) if fsdp else "no_shard",
+        megatron_fsdp_main_grads_dtype=torch.float32, megatron_fsdp_grad_comm_dtype=torch.float32,
+        # ZeRO-3: after the optimizer step Megatron-FSDP would prefetch every unit's weights at once and
+        # hold that full copy until the next forward (11 instead of 9 bytes/param at DP2, bf16); off, the
+        # forward's own hooks gather (and prefetch) unit by unit and free each after use
+        fsdp_all_gather_in_start_param_sync=False,
+    )
+
+
+def optimizer_config(cfg: Config) -> OptimizerConfig:
+    o = cfg.optim
+    dtype = params_dtype(cfg)
+    return OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=cfg.parallel.dist_opt,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+    )
+
+
+def scheduler_kwargs(cfg: Config) -> dict:
+    """Arguments of Megatron-Core's OptimizerParamScheduler, stepped once per iteration."""
+    o = cfg.optim
+    decay_end = o.decay_iters if o.decay_iters is not None else max(cfg.train.iters, 1)
+    return dict(
+        init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
+        lr_decay_steps=max(decay_end, o.warmup_iters + 1), lr_decay_style=str(o.decay_style),
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_end, wd_incr_style="constant",
+        # the config, not the checkpoint, defines the schedule: raising train.iters on resume extends it
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+    )

@@ -1,0 +1,118 @@
+"""Build this rank's model chunks, wrap them in Megatron-Core DDP, and create the optimizer + scheduler.
+
+Follows Megatron-LM's `get_model` / `setup_model_and_optimizer`: one GPT chunk per virtual pipeline
+stage, Float16Module for bf16, DDP per chunk (bucketing only on the first chunk), then
+`get_megatron_optimizer` and `OptimizerParamScheduler`, and the config hooks the schedules call.
+
+    state = build(cfg, ModelShape.of(cfg.model, vocab_size), device)    # -> TrainState
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from models.gpt import GPT
+from models.shape import ModelShape
+from training.config.schema import Config, Fsdp
+from training.engine import bridge
+from training.shims import upstream_fixes
+
+
+@dataclass
+class TrainState:
+    """What training works on: this rank's model chunks and what updates them."""
+
+    model: list[torch.nn.Module]  # DDP-wrapped chunks, one per virtual pipeline stage (bare when train=False)
+    optimizer: MegatronOptimizer | None  # Megatron-Core's (or its ChainedOptimizer); None when train=False
+    scheduler: OptimizerParamScheduler | None
+    config: TransformerConfig  # the one config every chunk and Megatron-Core's schedules read
+    shape: ModelShape  # the resolved sizes (models/shape.py)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """DDP(Float16Module(model)) or FSDP(MegatronFSDP(...)) -> model (any wrapper may be absent): our GPT, or
+    Megatron-Core's GPTModel in the benchmark."""
+    while isinstance(module, (_BaseDataParallel, Float16Module)) or type(module).__name__ == "MegatronFSDP":
+        module = module.module
+    return module
+
+
+def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, device: torch.device,
+                 make_model=GPT) -> list[torch.nn.Module]:
+    """This rank's model chunk(s), one per virtual pipeline stage: pre_process / post_process from its
+    pipeline position. make_model(config, shape, pre_process=, post_process=, vp_stage=) builds one."""
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = make_model(config, shape,
+                           pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                           post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                           vp_stage=stage)
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        upstream_fixes.mark_expert_params(model)  # the same optimizer layout at every EP size
+        model.to(device)
+        if config.bf16:
+            model = Float16Module(config, model)
+        chunks.append(model)
+    return chunks
+
+
+def wrap_ddp(chunks: list, config: TransformerConfig, cfg: Config, device: torch.device) -> list:
+    """Megatron-Core's DDP per chunk, or with parallel.fsdp its Megatron-FSDP adapter: ZeRO-3 gathers each
+    TransformerLayer's parameters when it runs (the FSDP unit) and frees them after; ZeRO-2 keeps them."""
+    ddp_config = bridge.ddp_config(cfg)
+    if bridge.uses_fsdp(cfg):
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        from models.layer import TransformerLayer
+
+        units = [TransformerLayer] if cfg.parallel.fsdp == Fsdp.optim_grads_params else []
+        return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, fsdp_unit_modules=units,
+                                         disable_bucketing=index > 0, device=device)
+                for index, chunk in enumerate(chunks)]
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    # Megatron-LM: only the first chunk buckets (overlap with backward)
+                                    disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)]
+
+
+def _one_or_list(hooks: list):
+    return hooks[0] if len(hooks) == 1 else hooks
+
+
+def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = True, train: bool = True,
+          make_model=GPT, prepare=None) -> TrainState:
+    """init=False skips the random init (every weight will be loaded: conversions); train=False returns
+    the bare chunks without DDP's gradient buffers, optimizer or scheduler (inference, conversion);
+    make_model builds another model the same way (tools/bench.py: Megatron-Core's GPTModel);
+    prepare(chunks) runs on the bare chunks before DDP / FSDP takes them (tests load weights there)."""
+    config = bridge.transformer_config(cfg, shape)
+    config.perform_initialization = init
+    chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model)
+    if prepare is not None:
+        prepare(chunks)
+    if not train:
+        return TrainState(model=chunks, optimizer=None, scheduler=None, config=config, shape=shape)
+    model = wrap_ddp(chunks, config, cfg, device)
+    optimizer = get_megatron_optimizer(bridge.optimizer_config(cfg), model)
+    scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))
+
+    # Hooks Megatron-Core's schedules call (as Megatron-LM's training.py sets them).
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = _one_or_list([m.no_sync for m in model])
+    if cfg.parallel.overlap_grad_reduce:
+        config.grad_sync_func = _one_or_list([m.start_grad_sync for m in model])
+    if cfg.parallel.overlap_param_gather and cfg.parallel.dist_opt:
+        config.param_sync_func = _one_or_list([m.start_param_sync for m in model])
+    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config, shape=shape)

@@ -1,0 +1,261 @@
+"""Hugging Face (Llama family) interop, the engine side of tools/convert_hf.py: HF config.json <-> our model
+config, safetensors in and out (sharded or not, read lazily), weights into and out of a built GPT, and the
+whole model's logits at any layout (TP shards and PP stages gathered) for the logits check.
+
+Which HF tensor becomes which of our parameters is declared next to each block in models/ (`from_hf` /
+`to_hf` static methods of the block classes in models/; models/gpt.py walks them). `transformers`
+is needed only for the logits check and for export's config.json; `safetensors` for the weights (extra `hf`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from models import gpt as gpt_module
+from models.shape import ModelShape
+from training.engine.build import TrainState, unwrap
+from training.errors import TemplateError
+
+IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some older checkpoints saved: recomputed
+FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 5e-2  # max |logit diff| / max |logit| (bf16: 8 mantissa bits)
+
+
+class HFError(TemplateError):
+    pass
+
+
+# ---- config ------------------------------------------------------------------------------------------------
+
+def model_fields(hf: dict) -> dict:
+    """HF config.json (Llama family, and Mixtral: Llama's attention with MoE MLPs) -> training.config.schema.ModelConfig
+    fields (a MoE's under "moe"); refuses what our GPT cannot express, naming the field."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    mixtral = hf.get("model_type") == "mixtral"
+    problems = [f"{key}={hf.get(key)!r} (supported: {ok})" for key, ok, good in (
+        ("model_type", "llama, mistral, mixtral", hf.get("model_type") in ("llama", "mistral", "mixtral")),
+        ("router_jitter_noise", "0.0", hf.get("router_jitter_noise", 0.0) == 0.0),
+        ("hidden_act", "silu", hf.get("hidden_act", "silu") == "silu"),
+        ("rope_scaling", "none: plain RoPE", rope.get("rope_type", rope.get("type", "default")) == "default"),
+        ("partial_rotary_factor", "1.0", hf.get("partial_rotary_factor", 1.0) == 1.0),
+        ("sliding_window", "null", hf.get("sliding_window") is None),
+        ("mlp_bias", "equal to attention_bias", hf.get("mlp_bias", False) == hf.get("attention_bias", False)),
+    ) if not good]
+    if problems:
+        raise HFError("this Hugging Face model is not a plain Llama-style decoder: " + "; ".join(problems))
+    moe = {} if not mixtral else {"moe": dict(  # every layer sparse; the top-k renormalised: pre-softmax off
+        num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=None,
+        shared_expert_ffn_hidden_size=None, layer_freq=1, first_dense=0, score_function="softmax",
+        pre_softmax=False, aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))}
+    return dict(**moe,
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
+        vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
+        position_embedding="rope", rotary_base=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
+        add_bias_linear=bool(hf.get("attention_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's default
+        attention_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
+        init_method_std=float(hf.get("initializer_range", 0.02)))
+
+
+def llama_config(shape: ModelShape, model, precision: str):
+    """Our model's shape (+ its config's dropout and init std) -> a transformers LlamaConfig, or a MixtralConfig
+    for a mixture of experts in every layer."""
+    import transformers
+
+    wrong = {k: getattr(shape, k) for k, ok in (("position_embedding", "rope"), ("normalization", "RMSNorm"),
+                                                ("activation", "swiglu")) if getattr(shape, k) != ok}
+    if shape.num_experts:
+        every_layer = len(shape.moe_layer_numbers) == shape.num_layers
+        wrong.update({k: v for k, v, ok in (
+            ("model.moe.first_dense / layer_freq", "not every layer MoE", every_layer),
+            ("model.moe.shared_expert_ffn_hidden_size", shape.moe_shared_ffn_hidden_size,
+             not shape.moe_shared_ffn_hidden_size),
+            ("model.moe.score_function", shape.moe_score_function, shape.moe_score_function == "softmax"),
+            ("model.moe.pre_softmax", shape.moe_pre_softmax, not shape.moe_pre_softmax)) if not ok})
+    if wrong:
+        raise HFError(f"only Llama-style models (rope, RMSNorm, swiglu; MoE as Mixtral: every layer, softmax over the "
+                      f"top-k, no shared expert) export to Hugging Face; this one has {wrong}")
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    if shape.num_experts:
+        return transformers.MixtralConfig(
+            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.moe_ffn_hidden_size,
+            num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+            max_position_embeddings=shape.seq_length, rope_theta=shape.rotary_base, rms_norm_eps=shape.norm_epsilon,
+            hidden_act="silu", tie_word_embeddings=shape.tie_embeddings, num_local_experts=shape.num_experts,
+            num_experts_per_tok=shape.moe_top_k, router_aux_loss_coef=model.moe.aux_loss_coeff,
+            attention_dropout=model.attention_dropout, initializer_range=model.init_method_std, sliding_window=None,
+            bos_token_id=None, eos_token_id=None, architectures=["MixtralForCausalLM"],
+            **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
+    return transformers.LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+        max_position_embeddings=shape.seq_length, rope_theta=shape.rotary_base,
+        rms_norm_eps=shape.norm_epsilon, hidden_act="silu", tie_word_embeddings=shape.tie_embeddings,
+        attention_bias=shape.add_bias_linear, mlp_bias=shape.add_bias_linear,
+        attention_dropout=model.attention_dropout, initializer_range=model.init_method_std,
+        bos_token_id=None, eos_token_id=None, architectures=["LlamaForCausalLM"],
+        **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
+
+
+# ---- safetensors -------------------------------------------------------------------------------------------
+
+class HFWeights:
+    """The tensors of <dir>/model.safetensors or the shards named by model.safetensors.index.json, read on demand
+    (one tensor in memory at a time); remembers which were read."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            files = json.loads(index.read_text())["weight_map"]
+        elif (directory / "model.safetensors").is_file():
+            files = None
+        else:
+            raise HFError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+        names = sorted(set(files.values())) if files else ["model.safetensors"]
+        self.handles = {n: safe_open(str(directory / n), framework="pt") for n in names}
+        self.where = files or {k: "model.safetensors" for k in self.handles["model.safetensors"].keys()}
+        self.read: set[str] = set()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise HFError(f"the Hugging Face checkpoint has no tensor {name!r}")
+        self.read.add(name)
+        return self.handles[self.where[name]].get_tensor(name)
+
+    def unread(self, tied: bool) -> list[str]:
+        return sorted(k for k in self.where if k not in self.read and not IGNORED_HF.match(k)
+                      and not (tied and k == "lm_head.weight"))
+
+
+def write_safetensors(items, directory: Path, max_shard_bytes: int) -> int:
+    """Write (name, tensor) items as model.safetensors, or shards + index above max_shard_bytes; returns bytes."""
+    from safetensors.torch import save_file
+
+    shards, current, size, total = [], {}, 0, 0
+    for name, tensor in items:
+        tensor = tensor.detach().contiguous().clone()  # own storage (q/k/v and gate/up are views)
+        if current and size + tensor.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += tensor.nbytes
+        total += tensor.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return total
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return total
+
+
+# ---- weights into / out of a built GPT (one process, tp=1, pp=1) ----------------------------------------------
+
+def load_hf_weights(state: TrainState, get) -> int:
+    """Copy HF tensors (get(name)) into this single-process model, every parameter exactly once; returns count."""
+    gpt = unwrap(state.model[0])
+    params = dict(gpt.named_parameters())
+    count = 0
+    with torch.no_grad():
+        for name, tensor in _hf_errors(gpt_module.from_hf, get, gpt.config, state.shape):
+            param = params.pop(name, None)
+            if param is None or param.shape != tensor.shape:
+                raise HFError(f"{name}: converted shape {tuple(tensor.shape)} does not fit the model's "
+                              f"{None if param is None else tuple(param.shape)}")
+            param.copy_(tensor)
+            count += tensor.numel()
+    if params:
+        raise HFError(f"parameters the Hugging Face mapping does not fill: {sorted(params)}")
+    if state.optimizer is not None:
+        state.optimizer.reload_model_params()  # bf16: the fp32 main params follow
+    return count
+
+
+def hf_tensors(state: TrainState):
+    """(HF name, full tensor) for every weight of this single-process model, vocab padding dropped."""
+    gpt = unwrap(state.model[0])
+    params = dict(gpt.named_parameters())
+    return _hf_errors(gpt_module.to_hf, lambda name: params[name].detach(), gpt.config, state.shape)
+
+
+def _hf_errors(walk, *args):
+    """models/gpt.py's walk, its ValueErrors (a model Llama cannot express) as HFError."""
+    try:
+        yield from walk(*args)
+    except ValueError as err:
+        raise HFError(str(err)) from err
+
+
+# ---- logits ------------------------------------------------------------------------------------------------
+
+def full_logits(state: TrainState, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """The whole model's logits [b, s, vocab_size] (fp32) for tokens [b, s] at this run's layout, through
+    Megatron-Core's pipeline schedule (forward only) with the TP vocab shards gathered; returned on the last
+    pipeline stage's ranks, None on the others. Every rank of the job must call it."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if len(state.model) > 1:
+        raise HFError("the logits check runs at parallel.vpp=null (the interleaved schedule needs a multiple of "
+                      "pp micro-batches)")
+    device = tokens.device
+
+    def step(_, model):  # loss_func None: the schedule keeps the last stage's output as it is
+        return model(tokens if unwrap(model).pre_process else None), None
+
+    for chunk in state.model:
+        chunk.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=None,
+            model=state.model, num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
+            forward_only=True)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    local = outputs[0].float().to(device)  # [b, s, V_padded/tp]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
+        local = torch.cat(shards, dim=-1)
+    return local[..., :vocab_size]
+
+
+def reference_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' logits [b, s, V] (fp32) of a Hugging Face checkpoint directory."""
+    import transformers
+
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), **{dtype_key: torch.float32})
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits.float()
+
+
+def check_tokens(vocab_size: int, seq_length: int, batch: int = 2, length: int = 64) -> torch.Tensor:
+    """Fixed pseudo-random token ids [batch, min(length, seq_length)] for the logits check."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (batch, min(length, seq_length)), generator=generator)
+
+
+def logits_diff(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(max |ours - reference|, the same divided by max |reference|)."""
+    worst = (ours - reference).abs().max().item()
+    return worst, worst / max(reference.abs().max().item(), 1e-12)
