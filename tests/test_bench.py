@@ -88,10 +88,11 @@ def _ours_and_hf(steps: int) -> dict:
     from training.bench import benchmark as bm
     from training.config.compose import compose
     from training.config.validate import validate
-    from training.engine.build import build, unwrap
+    from training.engine.build import build
     from training.engine.step import train_step
     from training.interop import hf
     from training.parallel import dist as D
+    from training.parallel.wrap import unwrap
 
     cfg = compose(HF_OVERRIDES)
     derived = validate(cfg)

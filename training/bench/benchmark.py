@@ -19,13 +19,14 @@ import torch
 
 from models.shape import ModelShape
 from training.config.schema import Config
-from training.config.validate import Derived
 from training.data.datasets import micro_batch_streams
 from training.engine import step as S
-from training.engine.build import TrainState, build, unwrap
+from training.engine.build import TrainState, build
 from training.engine.losses import loss_func
 from training.errors import ConfigError
 from training.parallel import dist as D
+from training.parallel.layout import Layout
+from training.parallel.wrap import unwrap
 
 
 @contextlib.contextmanager
@@ -155,7 +156,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(state: TrainState, make_streams, derived: Derived, cfg: Config, device, steps: int,
+def time_steps(state: TrainState, make_streams, layout: Layout, cfg: Config, device, steps: int,
                step=S.forward_step) -> list[float]:
     """Seconds per training step (forward + backward + optimizer), each through training.engine.step.train_step."""
     times = []
@@ -163,7 +164,7 @@ def time_steps(state: TrainState, make_streams, derived: Derived, cfg: Config, d
         streams = make_streams()
         sync(device)
         start = time.perf_counter()
-        S.train_step(state, streams, derived, cfg, device, step=step)
+        S.train_step(state, streams, layout, cfg, device, step=step)
         sync(device)
         times.append(time.perf_counter() - start)
     return times
@@ -186,7 +187,7 @@ class _Timer:
             self.total += time.perf_counter() - start
 
 
-def breakdown(state: TrainState, make_streams, derived: Derived, cfg: Config, device, steps: int) -> dict:
+def breakdown(state: TrainState, make_streams, layout: Layout, cfg: Config, device, steps: int) -> dict:
     """Where a step's time goes: forward (data, model, loss), backward, finalize_model_grads (grad
     reduction), optimizer.step, the rest of the schedule (its own code; with PP also the pipeline's
     send/receive waits, i.e. the bubble), and the loop's own code (train_step minus
@@ -202,7 +203,7 @@ def breakdown(state: TrainState, make_streams, derived: Derived, cfg: Config, de
     with swapped(schedules, "forward_step", fwd), swapped(schedules, "backward_step", bwd), \
             swapped(state.config, "finalize_model_grads_func", fin), swapped(state.optimizer, "step", opt), \
             swapped(S, "run_schedule", sched):
-        total = sum(time_steps(state, make_streams, derived, cfg, device, steps))
+        total = sum(time_steps(state, make_streams, layout, cfg, device, steps))
     parts = {"forward": fwd.total, "backward": bwd.total, "finalize_grads": fin.total,
              "schedule_other": sched.total - fwd.total - bwd.total - fin.total, "optimizer": opt.total,
              "loop_overhead": total - sched.total - opt.total}

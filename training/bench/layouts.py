@@ -4,46 +4,30 @@ accounting; activations saved for backward by the largest micro-batch) and the s
 collectives (torch.profiler). Each layout runs as its own `tools/bench.py --json --detail` (its processes
 spawned there), one after the other, so that rows do not compete for the cores.
 
-A layout name is a run of parts: tp<N>, pp<N>, dp<N>, cp<N>, ep<N>, vpp<N>, sp, distopt, zero2, zero3
+A layout name (training/parallel/layout.py's scheme, as verify_layouts') is a run of parts: tp<N>, pp<N>, dp<N>,
+cp<N>, ep<N>, etp<N>, vpp<N>, sp, distopt, zero2, zero3
 (parallel.fsdp=optim_grads / optim_grads_params); tp1 (or "single") is one process. Processes = tp x pp x cp x dp.
+
+    run_layouts(args)    tools/bench.py --layouts: check every name, then one row each (printed as it comes)
 """
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 from training.errors import ConfigError
+from training.parallel.layout import Layout
 
-PART = re.compile(r"(tp|pp|dp|cp|ep|vpp)(\d+)|sp|distopt|zero2|zero3")
-FLAGS = {"sp": ["parallel.sp=true"], "distopt": ["parallel.dist_opt=true"],
-         "zero2": ["parallel.fsdp=optim_grads"], "zero3": ["parallel.fsdp=optim_grads_params"]}
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(name: str) -> tuple[int, list[str]]:
-    """(processes, Hydra overrides) of a layout name."""
-    if name == "single":
-        return 1, []
-    sizes, overrides, pos = {"tp": 1, "pp": 1, "dp": 1, "cp": 1}, [], 0
-    while pos < len(name):
-        match = PART.match(name, pos)
-        if match is None:
-            raise ConfigError(f"layout {name!r}: cannot read {name[pos:]!r}; a layout is parts like tp2, pp2, dp2, "
-                              f"cp2, ep2, vpp2, sp, distopt, zero2, zero3 (e.g. tp2dp2distopt)")
-        if match.group(1):
-            kind, size = match.group(1), int(match.group(2))
-            if kind in sizes:
-                sizes[kind] = size
-            if kind != "dp":
-                overrides.append(f"parallel.{kind}={size}")
-        else:
-            overrides += FLAGS[match.group(0)]
-        pos = match.end()
-    return sizes["tp"] * sizes["pp"] * sizes["cp"] * sizes["dp"], overrides
+    """(processes, Hydra overrides) of a layout name (training/parallel/layout.py's scheme)."""
+    layout = Layout.from_name(name)
+    return layout.world, layout.overrides()
 
 
 def run_row(name: str, user_overrides: list[str], flags: list[str]) -> dict:
@@ -71,3 +55,26 @@ def table(rows: list[dict]) -> str:
                      f"{r['state_bytes'] / 1e6:>15.2f}{r['activation_bytes'] / 1e6:>11.2f}"
                      f"{r['comm_share']:>7.1%}  {r['config']}")
     return "\n".join(lines)
+
+
+def run_layouts(args) -> int:
+    """tools/bench.py --layouts: every name checked first (a bad one is one error line, exit 2), then the rows
+    one after the other, each printed when done (the whole list as JSON at the end with --json). 1 when a
+    layout failed."""
+    names = [n for n in args.layouts.split(",") if n]
+    try:
+        for name in names:
+            parse(name)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    flags = [f"--warmup={args.warmup}", f"--steps={args.steps}", f"--windows={args.windows}"]
+    flags += [f"--threads={args.threads}"] if args.threads else []
+    rows = []
+    for name in names:
+        rows.append(run_row(name, args.overrides, flags))
+        if not args.json:
+            print(table(rows).splitlines()[-1] if len(rows) > 1 else table(rows), flush=True)
+    if args.json:
+        print(json.dumps(rows))
+    return 0 if all("error" not in r for r in rows) else 1

@@ -95,7 +95,7 @@ def collective_seconds(prof) -> float:
     return total / 1e6
 
 
-def measure_detail(state: TrainState, streams, derived, cfg, device) -> dict:
+def measure_detail(state: TrainState, streams, layout, cfg, device) -> dict:
     """The largest rank's state bytes and activations saved per micro-batch, and the collectives' share of
     3 profiled steps (rank 0's)."""
     from training.engine import step as S
@@ -105,14 +105,14 @@ def measure_detail(state: TrainState, streams, derived, cfg, device) -> dict:
             saved.start()
             return S.forward_step(data_iterator, model)
 
-        S.train_step(state, streams(), derived, cfg, device, step=counting_step)
+        S.train_step(state, streams(), layout, cfg, device, step=counting_step)
     sizes = torch.tensor([state_bytes(state), saved.peak], dtype=torch.float64, device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
         start = time.perf_counter()
         for _ in range(3):
-            S.train_step(state, streams(), derived, cfg, device)
+            S.train_step(state, streams(), layout, cfg, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start

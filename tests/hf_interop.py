@@ -1,0 +1,62 @@
+"""Shared by tests/test_convert_hf.py and tests/test_convert_hf_families.py: the small HF architecture, tools/
+convert_hf.py's main() run in-process, the --check line's number, and a checkpoint's logits at other layouts.
+
+    ARCH, VOCAB, TOLERANCE              the random HF Llama's config.json fields; the logits tolerance
+    convert_main(convert_hf, argv)      (exit code, stdout, stderr) of tools/convert_hf.py main(argv)
+    relative_diff(output)               the relative logits difference printed by --check
+    logits_at_layouts(jobs, tokens)     run_distributed worker: each checkpoint's gathered logits at a layout
+"""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 301
+TOLERANCE = 1e-4
+ARCH = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=5e5, rms_norm_eps=1e-6, max_position_embeddings=128)
+
+
+def convert_main(convert_hf, argv: list[str]) -> tuple[int, str, str]:
+    """tools/convert_hf.py main(argv) in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = convert_hf.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def relative_diff(output: str) -> float:
+    """The relative logits difference a --check line reports."""
+    (value,) = re.findall(r"relative to max \|logit\| [0-9.]+: ([0-9.e+-]+)", output)
+    return float(value)
+
+
+def logits_at_layouts(jobs: list[tuple[str, str, str, list[str]]], tokens: torch.Tensor) -> dict:
+    """For each (label, preset dir, checkpoint, overrides): load the checkpoint's weights at that layout (one
+    2-process group; the model-parallel state is rebuilt per job) and return the gathered logits, if any."""
+    from megatron.core import parallel_state
+
+    from models.shape import ModelShape
+    from training import checkpoint
+    from training.config.compose import compose
+    from training.engine.build import build
+    from training.interop import hf
+    from training.parallel import dist as D
+
+    out = {}
+    for label, conf, ckpt, overrides in jobs:
+        cfg = compose([f"hydra.searchpath=[file://{conf}]", *overrides, "checkpoint.dir=null",
+                       f"checkpoint.load={ckpt}", "checkpoint.finetune=true"])
+        info = D.init(**{**D.layout_of(cfg), "timeout_minutes": 2})
+        state = build(cfg, ModelShape.of(cfg.model), info.device)
+        checkpoint.maybe_load(cfg, state)
+        logits = hf.full_logits(state, tokens, cfg.model.vocab_size)
+        if logits is not None:  # the last pipeline stage
+            out[label] = logits
+        parallel_state.destroy_model_parallel()
+    D.teardown()
+    return out

@@ -1,0 +1,48 @@
+"""The text report of one tools/bench.py result (training.bench.runner.measure's dict): the run, our step's
+time, throughput, MFU and memory, and, when there is one, the comparison with Megatron-Core's GPTModel or
+transformers' Llama and the step breakdowns. A warning line when the CPU was loaded before the run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+
+def report(result: dict) -> str:
+    """The text form of a bench result (tools/bench.py without --json)."""
+    r = result
+    lines = [f"{r['model']} | {r['config']} | {r['precision']} | vocab {r['vocab']} (padded {r['padded_vocab']}) | "
+             f"{r['device']} x{r['world']}, {r['threads']} threads | load {r['load_avg_1m'][0]:.2f} -> "
+             f"{r['load_avg_1m'][1]:.2f}",
+             f"ours : {1e3 * r['ours_s']:.1f} ms/step | {r['tokens_per_s']:,.0f} tok/s | "
+             f"{r['tflops_per_device']:.3f} TFLOP/s/dev | MFU "
+             f"{'-' if r['mfu'] is None else format(r['mfu'], '.1%')} | mem {r['mem_gb']:.2f} GB"
+             + ("" if r["device"].startswith("cpu") else f" (estimate {r['estimate_gb']:.2f} GB)")]  # CPU: RSS
+    if "mcore_s" in r:
+        lines.append(f"mcore: {1e3 * r['mcore_s']:.1f} ms/step | {r['mcore_tokens_per_s']:,.0f} tok/s | "
+                     f"{r['mcore_tflops_per_device']:.3f} TFLOP/s/dev")
+        q = statistics.quantiles(r["window_ratios"], n=4) if len(r["window_ratios"]) > 1 else [r["ratio"]] * 3
+        lines.append(f"ratio ours/mcore {r['ratio']:.3f} (median of {len(r['window_ratios'])} paired windows of "
+                     f"{r['steps']} step(s); quartiles {q[0]:.3f}-{q[2]:.3f}; fastest/fastest {r['ratio_min']:.3f})")
+        lines.append(f"loss on the batch: ours {r['loss_ours']:.6f}, mcore {r['loss_mcore']:.6f} "
+                     f"(rel diff {r['loss_rel_diff']:.1e})")
+    if "hf_s" in r:
+        q = statistics.quantiles(r["window_ratios"], n=4) if len(r["window_ratios"]) > 1 else [r["ratio"]] * 3
+        lines.append(f"hf   : {1e3 * r['hf_s']:.1f} ms/step (transformers LlamaForCausalLM, SDPA, torch AdamW)")
+        lines.append(f"ratio ours/hf {r['ratio']:.3f} (median of {len(r['window_ratios'])} paired windows of "
+                     f"{r['steps']} step(s); quartiles {q[0]:.3f}-{q[2]:.3f}; fastest/fastest {r['ratio_min']:.3f})")
+        lines.append(f"loss on the batch: ours {r['loss_ours']:.6f}, hf {r['loss_hf']:.6f} "
+                     f"(rel diff {r['loss_rel_diff']:.1e})")
+    if "breakdown" in r:
+        b = r["breakdown"]
+        shares = ", ".join(f"{k[:-6]} {v:.1%}" for k, v in b.items() if k.endswith("_share"))
+        lines.append(f"breakdown of a {1e3 * b['step_s']:.1f} ms step: {shares}")
+    if "hf_breakdown" in r:
+        b = r["hf_breakdown"]
+        shares = ", ".join(f"{k[:-6]} {v:.1%}" for k, v in b.items() if k.endswith("_share"))
+        lines.append(f"hf breakdown of a {1e3 * b['step_s']:.1f} ms step: {shares}")
+    if r["device"].startswith("cpu") and r["load_avg_1m"][0] > os.cpu_count():  # before our own steps
+        lines.append(f"warning: load average {r['load_avg_1m'][0]:.1f} on {os.cpu_count()} cores before the run: "
+                     f"other processes compete for the CPU and these timings are noisy")
+    return "\n".join(lines)
