@@ -53,10 +53,11 @@ def _moments_after_load(overrides: list[str], checkpoint_dir: str) -> dict:
     from megatron.core import parallel_state as ps
 
     from models.shape import ModelShape
-    from training.checkpoint import torch_dist as checkpoint
+    from training import checkpoint
     from training.config.compose import compose
-    from training.engine.build import build, unwrap
+    from training.engine.build import build
     from training.parallel import dist as D
+    from training.parallel.wrap import unwrap
 
     cfg = compose(QUICK + overrides + [f"checkpoint.load={checkpoint_dir}", "checkpoint.dir=null"])
     with D.distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, timeout_minutes=2) as info:
@@ -176,7 +177,7 @@ def _load_each(override_sets: list[list[str]], save_weights_to: str | None = Non
     """In one process: optionally save a bare model's weights (what conversions write), then for each
     override set build the model and load per its checkpoint settings; 'loaded iteration N' or the error."""
     from models.shape import ModelShape
-    from training.checkpoint import torch_dist as checkpoint
+    from training import checkpoint
     from training.config.compose import compose
     from training.engine.build import build
     from training.errors import TemplateError

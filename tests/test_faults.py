@@ -141,9 +141,9 @@ def _save_failing(overrides: list[str], run_dir: str) -> str:
     """Train with every save after the first failing as a full disk would."""
     import errno
 
-    from training.checkpoint import torch_dist as checkpoint
+    from training.checkpoint import torch_dist
 
-    real, calls = checkpoint.dist_checkpointing.save, []
+    real, calls = torch_dist.dist_checkpointing.save, []
 
     def save(*args, **kwargs):
         calls.append(1)
@@ -151,7 +151,7 @@ def _save_failing(overrides: list[str], run_dir: str) -> str:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    checkpoint.dist_checkpointing.save = save
+    torch_dist.dist_checkpointing.save = save
     return train_catching(overrides, run_dir)
 
 
@@ -185,12 +185,12 @@ def _plant_and_load(run_dir: str, marker: str) -> str:
     """Save a checkpoint whose RNG state is a payload object, then resume from it."""
     from runs import _train
 
-    from training.checkpoint import torch_dist as checkpoint
+    from training.checkpoint import rng
 
-    real = checkpoint._rng_state
-    checkpoint._rng_state = lambda: {**real(), "payload": _Payload(marker)}
+    real = rng.get_state
+    rng.get_state = lambda: {**real(), "payload": _Payload(marker)}
     _train(QUICK + ["train.iters=2"], run_dir)
-    checkpoint._rng_state = real
+    rng.get_state = real
     return train_catching(QUICK + ["train.iters=4"], run_dir)
 
 

@@ -113,10 +113,11 @@ def _moments_after_load(overrides: list[str]) -> dict:
     from runs import QUICK
 
     from models.shape import ModelShape
-    from training.checkpoint import torch_dist as checkpoint
+    from training import checkpoint
     from training.config.compose import compose
-    from training.engine.build import build, unwrap
+    from training.engine.build import build
     from training.parallel import dist as D
+    from training.parallel.wrap import unwrap
 
     cfg = compose(QUICK + overrides)
     with D.distributed(timeout_minutes=2) as info:

@@ -78,7 +78,7 @@ def do_import(args, overrides: list[str]) -> bool:
     from omegaconf import OmegaConf
 
     from models.shape import ModelShape
-    from training.checkpoint import torch_dist as checkpoint
+    from training import checkpoint
     from training.config.compose import compose
     from training.config.schema import ParallelConfig
     from training.config.validate import validate
@@ -135,7 +135,7 @@ def do_import(args, overrides: list[str]) -> bool:
 
 def do_export(args) -> bool:
     from models.shape import ModelShape
-    from training.checkpoint import torch_dist as checkpoint
+    from training import checkpoint
     from training.config.schema import ParallelConfig, to_config
     from training.engine.build import build
     from training.interop import hf

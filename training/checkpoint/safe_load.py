@@ -4,8 +4,8 @@ A dist_checkpointing checkpoint holds pickles in two places: the `.metadata` fil
 shards: `pickle.load`), and every non-tensor object (our RNG states, the optimizer's param groups, the
 scheduler, the iteration: DCP's planner reads them with `torch.load(weights_only=False)`). A crafted pickle
 runs whatever it names when unpickled, so a checkpoint from elsewhere could run code as the training job.
-Inside `safe_unpickling()` (training/checkpoint/torch_dist.py loads with it) both go through restricted unpicklers: the
-index may name only DCP's own metadata classes and torch's dtypes and sizes, the objects only what
+Inside `safe_unpickling()` (every checkpoint load goes through it: common.loading) both go through restricted
+unpicklers: the index may name only DCP's own metadata classes and torch's dtypes and sizes, the objects only what
 `torch.load(weights_only=True)` accepts (tensors, numbers, strings, containers, numpy arrays). Anything else
 is refused with UnsafeCheckpoint, before it runs. Tensors are raw bytes (never unpickled). run.json is JSON.
 """

@@ -27,8 +27,9 @@ from megatron.core import parallel_state as ps
 
 from models.kv_cache import KVCache
 from models.shape import ModelShape
-from training.engine.build import TrainState, build, unwrap
+from training.engine.build import TrainState, build
 from training.errors import ConfigError
+from training.parallel.wrap import unwrap
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def inference_config(ckpt: str | Path, overrides: list[str], for_generation: boo
     takes SP and the interleaved schedule."""
     from omegaconf import OmegaConf
 
-    from training.checkpoint import torch_dist as checkpoint
+    from training import checkpoint
     from training.config.schema import ParallelConfig, to_config
 
     path = checkpoint.resolve_path(ckpt)
@@ -87,7 +88,7 @@ def inference_config(ckpt: str | Path, overrides: list[str], for_generation: boo
 
 
 def load_model(cfg, shape: ModelShape, device: torch.device) -> TrainState:
-    from training.checkpoint import torch_dist as checkpoint
+    from training import checkpoint
     from training.parallel.dist import is_rank0
 
     state = build(cfg, shape, device, init=cfg.checkpoint.load is None, train=False)

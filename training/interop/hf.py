@@ -19,8 +19,9 @@ from megatron.core import parallel_state
 
 from models import gpt as gpt_module
 from models.shape import ModelShape
-from training.engine.build import TrainState, unwrap
+from training.engine.build import TrainState
 from training.errors import TemplateError
+from training.parallel.wrap import unwrap
 
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some older checkpoints saved: recomputed
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 5e-2  # max |logit diff| / max |logit| (bf16: 8 mantissa bits)

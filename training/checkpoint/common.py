@@ -1,0 +1,223 @@
+"""What both checkpoint formats share: the run directory, run.json, the layout record, the one load-error
+wrapper, the model's state-dict keys and the compatibility checks.
+
+    <checkpoint.dir>/iter_0000010/   the format's files (its own metadata.json) + run.json, written last
+    <checkpoint.dir>/latest          "iter_0000010": the newest complete checkpoint
+
+A checkpoint is complete when it has both run.json and metadata.json. run.json holds the iteration, the
+consumed samples, the layout it was saved at (exactly tp, pp, dp, cp), the train dataset size, whether it
+holds weights only, the vocabulary size, the resolved config and the versions it was written with. run.json
+and `latest` are written atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+from torch.distributed.checkpoint.api import CheckpointException
+
+from models.shape import WEIGHTS, ModelShape
+from training.checkpoint.safe_load import UnsafeCheckpoint, safe_unpickling
+from training.config.schema import Config, ModelConfig, to_config
+from training.errors import TemplateError
+from training.parallel.dist import print0
+
+LATEST = "latest"
+RUN_FILE = "run.json"
+
+
+class CheckpointError(TemplateError):
+    pass
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts: from scratch, from this run's checkpoint (resumed), or from weights."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    resumed: bool = False  # a checkpoint of this run was loaded (it is already on disk)
+    train_samples: int | None = None  # the train dataset size the checkpointed run was built with
+
+
+# --- the run directory -------------------------------------------------------------------------------------
+
+def iter_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / RUN_FILE).is_file() and (path / "metadata.json").is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete iter_* directories, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("iter_*") if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {"torch": torch.__version__, "megatron-core": version("megatron-core"), "template_commit": commit}
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (0: all)."""
+    if keep <= 0:
+        return
+    for old in complete_checkpoints(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def newest_complete(root: Path) -> Path | None:
+    """The checkpoint `latest` names if it is complete, else the newest complete one, else None."""
+    candidates = complete_checkpoints(root)
+    latest = root / LATEST
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if not is_complete(named):
+            print0(f"warning: {latest} names {named}, which is incomplete; using the newest complete one")
+        elif named in candidates:
+            return named
+    return candidates[0] if candidates else None
+
+
+def resolve_load_path(cfg: Config) -> tuple[Path | None, bool]:
+    """checkpoint.load -> (the iter_* directory to load or None to start fresh, weights only?).
+
+    With checkpoint.finetune the weights of checkpoint.load start the run, unless checkpoint.dir
+    already holds this run's own checkpoint: then a restarted (requeued) fine-tune resumes itself."""
+    spec, own = cfg.checkpoint.load, None
+    if cfg.checkpoint.dir is not None:
+        own = newest_complete(Path(cfg.checkpoint.dir))
+    if cfg.checkpoint.finetune:
+        return (own, False) if own is not None else (resolve_path(spec), True)
+    if spec is None:
+        return None, False
+    if spec == "auto":
+        return own, False
+    return resolve_path(spec), False
+
+
+def resolve_path(spec: str | Path) -> Path:
+    """A checkpoint path: an iter_* directory, or a checkpoint.dir (its `latest`); must be complete."""
+    path = Path(spec)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete or not a checkpoint (no {RUN_FILE} / "
+                              f"metadata.json: an interrupted save?); point checkpoint.load at a complete one")
+    return path
+
+
+# --- the layout record ---------------------------------------------------------------------------------------
+
+def layout() -> dict:
+    """This process's layout as run.json records it: exactly tp, pp, dp, cp (old checkpoints keep loading)."""
+    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size(),
+            "cp": parallel_state.get_context_parallel_world_size()}
+
+
+def same_tp_pp(run: dict) -> bool:
+    """Saved at this run's TP and PP (the model's shards and the RNG streams per (pp, tp) rank line up)."""
+    now = layout()
+    return all(run["layout"][k] == now[k] for k in ("tp", "pp"))
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+def describe(err: BaseException) -> str:
+    """`Type: the first line of its message`."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _chain(err: BaseException, seen: set | None = None):
+    """err and its causes, also the per-rank failures DCP's CheckpointException wraps."""
+    seen = set() if seen is None else seen
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        for failure in getattr(err, "failures", {}).values():  # rank -> (exception, its stack)
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, BaseException):
+                yield from _chain(failure, seen)
+        err = err.__cause__ or err.__context__
+
+
+@contextlib.contextmanager
+def loading(what: str):
+    """Read checkpoint files: nothing in them runs code (safe_load.py), and any failure becomes one
+    CheckpointError, "cannot load <what>: <cause>", the cause an UnsafeCheckpoint if one is in the chain."""
+    try:
+        with safe_unpickling():
+            yield
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - the files are not usable (DCP's exception
+        # for a failure on some rank derives from BaseException, not Exception)
+        cause = next((e for e in _chain(err) if isinstance(e, UnsafeCheckpoint)), err)
+        raise CheckpointError(f"cannot load {what}: {describe(cause)}") from err
+
+
+# --- the model and compatibility -----------------------------------------------------------------------------
+
+def model_keys(chunks: list) -> list[str]:
+    """The state-dict key of each model chunk: "model", or model0, model1, ... (virtual pipeline)."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def saved_model_config(run: dict) -> ModelConfig:
+    """A checkpoint's model config (run.json) on today's schema: fields added since take their defaults;
+    fused_kernels, a run setting that was a string (auto/on/off) before it became a bool, is left out."""
+    model = {k: v for k, v in run["config"]["model"].items() if k != "fused_kernels"}
+    return to_config({"model": model}).model
+
+
+def check_compatible(run: dict, shape: ModelShape) -> None:
+    """Refuse, naming every differing field, a checkpoint whose weights' shapes differ from the config's
+    (the shape fields tagged "weights", resolved: ffn_hidden_size=null and 4h are the same)."""
+    saved = ModelShape.of(saved_model_config(run), run["vocab_size"]).fields_of(WEIGHTS)
+    current = shape.fields_of(WEIGHTS)
+    differ = [f"{k}: checkpoint {_brief(saved[k])} vs config {_brief(current[k])}"
+              for k in current if saved[k] != current[k]]
+    if differ:
+        raise CheckpointError("the model in the config does not match the checkpoint's: " + "; ".join(differ))
+
+
+def _brief(value):
+    """A layer list shown by its distinct entries (it repeats one dict per layer)."""
+    if isinstance(value, (list, tuple)):
+        distinct = [dict(t) for t in dict.fromkeys(tuple(sorted(d.items())) for d in value)]
+        return distinct[0] if len(distinct) == 1 else distinct
+    return value
+
+
+def check_same_optimizer(cfg: Config, run: dict, path: Path) -> None:
+    """The distributed and the plain optimizer save different state layouts: resume with the same one."""
+    saved = run["config"]["parallel"]["dist_opt"]
+    if saved != cfg.parallel.dist_opt:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with parallel.dist_opt={str(saved).lower()} but this run has "
+            f"parallel.dist_opt={str(cfg.parallel.dist_opt).lower()}: resume with the same setting (TP, PP and "
+            f"DP may change), or load the weights only with checkpoint.finetune=true")
