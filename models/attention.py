@@ -14,6 +14,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from models.activations import ActivationContext
 from models.context_parallel import AllGatherKVAttention
 from models.core_attention import CoreAttention
 from models.kv_cache import KVCache
@@ -122,6 +123,30 @@ class SelfAttention(MegatronModule):
         h, q, kv = shape.hidden_size, shape.q_width, shape.kv_width
         scores = 2 * 2 * shape.seq_length * q / 2  # q k^T and probs v; the causal mask halves them
         return 2 * h * (q + 2 * kv) + scores + 2 * q * h
+
+    @staticmethod
+    def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:
+        """linear_qkv's input; the Q, K and V the attention core keeps and its output (linear_proj's input is a
+        view of it); under CP the gathered K and V (CP's causal mask is one tensor for all layers: the estimate
+        counts it once a stage); without flash attention the s x s scores (Korthikanti et al. 2022's unfused
+        core attention; not measured here)."""
+        e, b, s, t = act.bytes, act.micro_batch, act.seq, split.tp
+        q, kv, full = shape.q_width, shape.kv_width, act.seq * act.cp  # full: K/V length after the CP gather
+        rope = shape.position_embedding == "rope"
+        gathered = act.cp > 1 and act.recompute == "none"  # selective recomputes the gather in backward
+        q_view = not rope and shape.heads_per_group == 1  # else a rotated copy, or regrouped into heads (a copy)
+        width = q + (0 if q_view else q)  # the core's output; Q
+        if gathered:  # K and V at full length [cp*s, b, ng/tp, hn]; the local K and V are not kept
+            width += 2 * kv * act.cp
+        elif rope:  # the rotated K
+            width += kv
+        if q_view or not gathered:  # V (and Q, K without RoPE) are views of QKV's output: all of it stays
+            width += q + 2 * kv
+        out = e * b * s * shape.hidden_size / act.seq_split(split) + e * b * s * width / t
+        if not act.flash and act.recompute == "none":  # softmax output (+ dropout mask and output) [b, np/tp, s, s]
+            dropout = 1 + e if act.attention_dropout else 0
+            out += (e + dropout) * shape.num_attention_heads * b * s * full / t
+        return out
 
     # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `self_attn.{q,k,v,o}_proj` -------
     # HF keeps q_proj [np*hn, h] and k_proj, v_proj [ng*hn, h] apart; our full (tp=1) linear_qkv interleaves them

@@ -31,12 +31,15 @@ def zigzag_positions(rank: int, cp: int, local_length: int, device=None) -> torc
 
 
 @functools.lru_cache(maxsize=4)
-def causal_mask(rank: int, cp: int, local_length: int, device: torch.device) -> torch.Tensor:
-    """[s/cp, s] True where CP rank `rank`'s query may attend to a gathered key (keys in CP-rank order);
-    one per rank and length, shared by every layer."""
+def causal_mask(rank: int, cp: int, local_length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[s/cp, s] additive mask: 0 where CP rank `rank`'s query may attend to a gathered key (keys in CP-rank
+    order), -inf elsewhere; one per rank, length and dtype, shared by every layer. Additive, not boolean:
+    scaled_dot_product_attention turns a boolean mask into a new additive one on every call, and its kernels
+    keep that for backward: an [s/cp, s] copy per layer and micro-batch (tests/test_activation_bytes.py)."""
     queries = zigzag_positions(rank, cp, local_length, device)  # [s/cp]
     keys = torch.cat([zigzag_positions(r, cp, local_length, device) for r in range(cp)])  # [s]
-    return queries[:, None] >= keys[None, :]
+    allowed = queries[:, None] >= keys[None, :]  # [s/cp, s]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 class AllGatherKVAttention(CoreAttention):
@@ -50,5 +53,5 @@ class AllGatherKVAttention(CoreAttention):
         group = parallel_state.get_context_parallel_group()
         k = gather_from_sequence_parallel_region(k, group=group)  # [s, b, ng/tp, hn], CP ranks in order
         v = gather_from_sequence_parallel_region(v, group=group)  # [s, b, ng/tp, hn]
-        mask = causal_mask(parallel_state.get_context_parallel_rank(), self.cp, q.shape[0], q.device)
+        mask = causal_mask(parallel_state.get_context_parallel_rank(), self.cp, q.shape[0], q.device, q.dtype)
         return super().forward(q, k, v, mask=mask)  # [s/cp, b, np/tp * hn]

@@ -16,6 +16,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.activations import ActivationContext
 from models.shape import ModelShape, Split
 
 
@@ -49,6 +50,13 @@ class GatedMLP(MegatronModule):
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:  # three h x ffn GEMMs, 2 FLOPs per multiply-add
         return 2 * 3 * shape.hidden_size * shape.ffn_hidden_size
+
+    @staticmethod
+    def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:  # one micro-batch
+        """gate's and up's input [s(/tp), b, h], and 4 ffn/tp-wide tensors: gate's and up's outputs, act(gate)
+        and the product (down's input), whichever the activation (GELU: GeGLU, SiLU: SwiGLU)."""
+        return act.bytes * act.tokens * (shape.hidden_size / act.seq_split(split) +
+                                         4 * shape.ffn_hidden_size / split.tp)
 
     # Optional: the Hugging Face (Llama) mapping, names relative to the block on each side.
     @staticmethod

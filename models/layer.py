@@ -10,7 +10,8 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.shape import ModelShape
+from models.activations import ActivationContext
+from models.shape import ModelShape, Split
 from models.spec import layer_spec
 
 # Hugging Face (Llama) names of the sub-blocks, for training/interop/hf.py: ours -> theirs (model.layers.<i>.*)
@@ -39,3 +40,11 @@ class TransformerLayer(MegatronModule):
             self.self_attention(h, rotary_freqs, cache)
         x = self._residual(x, attention)
         return self._residual(x, self.mlp(self.pre_mlp_layernorm(x)))
+
+    @staticmethod
+    def activation_bytes(shape: ModelShape, layer_number: int, split: Split, act: ActivationContext) -> float:
+        """What layer `layer_number` keeps for backward, one micro-batch on one GPU: what its blocks declare
+        (models/spec.py) + the two hidden-dropout masks (1 byte an element of [s(/tp), b, h], when p > 0)."""
+        masks = 2 * act.tokens * shape.hidden_size / act.seq_split(split) if act.hidden_dropout else 0
+        return masks + sum(block.activation_bytes(shape, split, act) for _, block in
+                           layer_spec(shape, layer_number).items())

@@ -12,6 +12,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
+from models.activations import ActivationContext
 from models.linear import ColumnParallelLinear, RowParallelLinear
 from models.shape import ModelShape, Split
 
@@ -91,6 +92,15 @@ class MLP(MegatronModule):
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:  # SwiGLU: three h x ffn GEMMs (gate, up, down)
         return 2 * shape.hidden_size * shape.ffn_hidden_size * (3 if shape.gated else 2)
+
+    @staticmethod
+    def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:
+        """fc1's input [s(/tp), b, h] and ffn/tp-wide tensors: GELU's input and output (fc2's input); SwiGLU the
+        fc1 output (gate|up, 2 wide), SiLU(gate) and the product, or with the fused kernel (model.fused_kernels)
+        only the fc1 output and the product (Megatron-Core's SwiGLUFunction recomputes the rest in backward)."""
+        kept = 2 if not shape.gated else 3 if act.fused else 4
+        return act.bytes * act.tokens * (shape.hidden_size / act.seq_split(split) +
+                                         kept * shape.ffn_hidden_size / split.tp)
 
     # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `mlp.{gate,up,down}_proj` ---------
     # Full (tp=1) fc1 is [gate; up] ([2*ffn, h], see the module docstring) = cat(HF gate_proj, HF up_proj); fc2 is

@@ -22,6 +22,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.activations import ActivationContext
 from models.extra_losses import Stat, record, record_mean
 from models.shape import ModelShape, Split
 
@@ -104,6 +105,25 @@ class MoE(MoELayer):
         gemms = 3 if shape.gated else 2
         ffn = shape.moe_top_k * shape.moe_ffn_hidden_size + (shape.moe_shared_ffn_hidden_size or 0)
         return 2 * shape.hidden_size * ffn * gemms
+
+    @staticmethod
+    def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:
+        """What Megatron-Core 0.19.2's MoELayer keeps (SequentialMLP experts, balanced routing assumed; measured
+        at tp 1, the expert-TP gather read in token_dispatcher.py): the input [s(/tp), b, h]; the permuted token
+        copies this rank's experts take (k per token, gathered over expert TP) and per copy the expert's
+        ffn/etp-wide tensors; the router's fp32 scores and routing indices; the shared expert's tensors (a
+        Megatron-Core MLP on the whole micro-batch, ffn_shared/tp wide)."""
+        e, h, k = act.bytes, shape.hidden_size, shape.moe_top_k
+        tokens = act.tokens / act.seq_split(split)  # this rank's tokens (MoE with TP needs SP)
+        copies = tokens * k * split.etp  # what this rank's experts compute (token_dispatcher gathers over ETP)
+        # per copy, unfused SwiGLU: fc1 out (gate|up), SiLU(gate), up + offset (a copy), the product, x its
+        # routing probability (fc2's input); fused (weighted_bias_swiglu_impl): fc1 out and fc2's input;
+        # GELU: fc1 out, GELU out, x probability
+        expert = 3 if not shape.gated or act.fused else 6
+        shared = (shape.moe_shared_ffn_hidden_size or 0) * (2 if not shape.gated else 3 if act.fused else 5)
+        routing = tokens * (12 * shape.num_experts + 32 * k)  # fp32 scores, int64 sort index; 32 bytes per top-k slot
+        return e * (tokens * h + copies * (h + expert * shape.moe_ffn_hidden_size / split.etp) +
+                    act.tokens * shared / split.tp) + routing
 
     # ---- Hugging Face interop (Mixtral): this block's weights <-> HF's `block_sparse_moe.*` ----------------------
     # Mixtral's router is `gate.weight` [E, h]; expert j's w1 (gate), w3 (up) and w2 (down) are Llama's gate/up/down:

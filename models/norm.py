@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.activations import ActivationContext
 from models.shape import ModelShape, Split
 
 
@@ -71,6 +72,11 @@ class Norm(MegatronModule):
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:  # not counted (Megatron's formula counts GEMMs)
         return 0.0
+
+    @staticmethod
+    def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:
+        """Its input [s(/tp), b, h] (the fp32 statistics, 1 or 2 per token, are left out)."""
+        return act.bytes * act.tokens * shape.hidden_size / act.seq_split(split)
 
     # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `*layernorm` / `norm` ---------
     # The same names on both sides ("weight", "bias" for LayerNorm; Llama's RMSNorm has no bias). `get` reads

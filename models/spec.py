@@ -14,6 +14,10 @@ edit of the layer, the stack or the engine. A block is a Megatron-Core `Megatron
                                                            (the memory estimate; checked against the built
                                                            model for every preset and layout)
     Block.flops_per_token(shape) -> float                  forward FLOPs per token (2 per multiply-add)
+    Block.activation_bytes(shape, split, act) -> float     bytes its forward keeps for backward, one micro-batch
+                                                           on one GPU, act = models/activations.py's context
+                                                           (the memory estimate sums them; checked against
+                                                           what autograd saves for every built-in block)
     Block.extra_losses: tuple[str, ...] = ()               names of the extra losses it attaches
                                                            (models/extra_losses.py), logged like the loss
     Block.extra_stats(shape) -> {name: Stat} (optional)    other statistics it records (tokens per expert)
@@ -41,6 +45,10 @@ BLOCKS = {
 }
 
 
+# What the engine's arithmetic reads from every block (the contract above).
+REQUIRED = ("num_params", "flops_per_token", "activation_bytes")
+
+
 class BlockError(ValueError):
     pass
 
@@ -55,10 +63,12 @@ def resolve_block(name: str) -> type:
         block = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as err:
         raise BlockError(f"block {name!r}: cannot import {target} ({err})") from err
-    missing = [m for m in ("num_params", "flops_per_token") if not callable(getattr(block, m, None))]
+    # required, not defaulted: a guess for a block nobody measured is the silent error the estimate is there to
+    # prevent (a subclass inherits its parent's declarations, e.g. tests/blocks.py's MLPs)
+    missing = [m for m in REQUIRED if not callable(getattr(block, m, None))]
     if missing:
         raise BlockError(f"block {target} has no {' or '.join(missing)}: every block declares its parameter "
-                         f"count and FLOPs (see models/spec.py)")
+                         f"count, FLOPs and activation bytes (see models/spec.py and models/mlp.py)")
     return block
 
 
