@@ -42,7 +42,7 @@ def start(composed: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.checkpoint.dir is not None and not os.path.isabs(cfg.checkpoint.dir):
         cfg.checkpoint.dir = str(run_dir / cfg.checkpoint.dir)
-    derived = validate(cfg)
+    layout = validate(cfg)
     single_process_env()
     if os.environ.get("RANK", "0") == "0":
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -51,7 +51,7 @@ def start(composed: DictConfig) -> None:
         print(f"run dir: {run_dir}\n{resolved}", flush=True)
     from training.engine.loop import run
 
-    run(cfg, derived, run_dir)
+    run(cfg, layout, run_dir)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

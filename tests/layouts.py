@@ -100,10 +100,11 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
     from training.config.compose import compose
     from training.config.validate import validate
     from training.data.datasets import micro_batch_streams
-    from training.engine.build import build, unwrap
+    from training.engine.build import build
     from training.engine.losses import extra_losses, global_loss
     from training.engine.step import run_schedule, train_step
     from training.parallel import dist as D
+    from training.parallel.wrap import unwrap
 
     cfg = compose(overrides)
     derived = validate(cfg)

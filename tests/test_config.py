@@ -93,9 +93,9 @@ def test_several_problems_are_all_reported_one_per_line():
 
 def test_derived_sizes():
     cfg = compose(["parallel.tp=2", "train.global_batch_size=32", "train.micro_batch_size=2"])
-    derived = validate(cfg, 8)
-    assert (derived.dp, derived.num_microbatches, derived.tokens_per_step) == (4, 4, 32 * 128)
-    assert "global batch 32 = micro 2 x dp 4 x accumulation 4" in derived.describe(cfg)
+    layout = validate(cfg, 8)
+    assert (layout.dp, layout.num_microbatches, layout.world) == (4, 4, 8)
+    assert "global batch 32 = micro 2 x dp 4 x accumulation 4" in layout.describe()
 
 
 @pytest.mark.parametrize("group,name", [(p.parent.name, p.stem) for p in sorted(CONF_DIR.glob("*/*.yaml"))])

@@ -144,7 +144,8 @@ def _state_bytes(overrides: list[str], vocab_size: int) -> int:
 def test_fsdp_memory_per_rank_matches_the_estimate():
     from models.shape import ModelShape
     from training.config.compose import compose
-    from training.estimate.memory import Layout, estimate
+    from training.estimate.memory import estimate
+    from training.parallel.layout import Layout
 
     base = ["model=tiny", "train.precision=bf16", "train.micro_batch_size=2", "train.global_batch_size=4",
             "checkpoint=none", "train.tensorboard=false"]
@@ -153,8 +154,8 @@ def test_fsdp_memory_per_rank_matches_the_estimate():
         overrides = base + [f"parallel.fsdp={fsdp}"]
         got = run_distributed(_state_bytes, 2, (overrides, 257), timeout=300)
         cfg = compose(overrides)
-        lay = Layout(1, 1, None, 2, False, cfg.parallel.dist_opt, "none", fsdp=fsdp)
-        expected = estimate(cfg, ModelShape.of(cfg.model, 257), lay, num_microbatches=1).weights_and_optimizer
+        lay = Layout.of(cfg, 2)
+        expected = estimate(cfg, ModelShape.of(cfg.model, 257), lay).weights_and_optimizer
         for rank_bytes in got:
             assert abs(rank_bytes - expected) <= 0.1 * rank_bytes, (fsdp, rank_bytes, expected)
         measured[fsdp] = max(got)

@@ -68,28 +68,13 @@ def test_a_failing_rank_does_not_leave_its_peers_hanging():
     assert results[0]["seconds"] < 60
 
 
-def _layout_info():
-    from megatron.core import parallel_state as ps
-
-    from training.parallel import dist as D
-
-    with D.distributed(tp=2, pp=2, timeout_minutes=2) as info:
-        return (info.dp, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                ps.get_data_parallel_world_size())
-
-
-def test_init_builds_megatron_core_groups_from_torchrun_env():
-    results = run_distributed(_layout_info, 4, timeout=120)
-    assert [r[0] for r in results] == [1, 1, 1, 1]
-    assert sorted((r[1], r[2]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-
-
 def test_world_size_not_divisible_is_one_line():
     from training.errors import LaunchError
-    from training.parallel.dist import check_world_size
+    from training.parallel.dist import check_layout
+    from training.parallel.layout import Layout
 
     with pytest.raises(LaunchError) as err:
-        check_world_size(6, tp=4, pp=1)
-    assert "\n" not in str(err.value) and "world size 6" in str(err.value) and "4 * 1 * 1 = 4" in str(err.value)
+        check_layout(Layout(6, tp=4))
+    assert "\n" not in str(err.value) and "world size 6" in str(err.value) and "4 * 1 = 4" in str(err.value)
     with pytest.raises(LaunchError, match=r"tp \* pp \* cp = 1 \* 1 \* 4 = 4"):
-        check_world_size(6, tp=1, pp=1, cp=4)
+        check_layout(Layout(6, cp=4))

@@ -23,8 +23,9 @@ def _built_counts(builds: dict) -> dict:
     from models.gpt import num_params
     from models.shape import ModelShape, Split
     from models.spec import layer_spec
-    from training.engine.build import build, unwrap
+    from training.engine.build import build
     from training.parallel import dist as D
+    from training.parallel.wrap import unwrap
 
     out = {}
     with D.distributed(timeout_minutes=2):
@@ -104,10 +105,11 @@ def _objective_vs_engine(overrides: list[str]) -> dict:
     from models.shape import ModelShape
     from training.config.validate import validate
     from training.data.datasets import micro_batch_streams
-    from training.engine.build import build, unwrap
+    from training.engine.build import build
     from training.engine.losses import extra_losses
     from training.engine.step import run_schedule
     from training.parallel import dist as D
+    from training.parallel.wrap import unwrap
 
     cfg = compose(overrides)
     derived = validate(cfg, 1)

@@ -17,10 +17,17 @@ from harness import run_distributed
 from models.gpt import num_params
 from models.shape import ModelShape
 from training.config.compose import compose
-from training.estimate.memory import Layout, estimate, layer_activations
+from training.estimate.memory import estimate, layer_activations
+from training.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+
+def _lay(tp=1, pp=1, vpp=None, cp=1, dp=1, sp=False, dist_opt=False, microbatches=1) -> Layout:
+    """A layout of tp x pp x cp x dp ranks whose step has `microbatches` micro-batches of one sequence."""
+    return Layout(tp * pp * cp * dp, tp, pp, vpp, cp, sp=sp, dist_opt=dist_opt, micro_batch_size=1,
+                  global_batch_size=microbatches * dp)
 
 def load_plan_module():
     spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools/plan.py")
@@ -40,22 +47,22 @@ def test_gpt2_124m_matches_korthikanti_by_hand():
     # the output layer is tied: no extra weight on a single stage
     params = 12 * layer + 50_304 * 768 + 1_024 * 768 + 1_536
     assert params == 124_475_904
-    dp4 = Layout(tp=1, pp=1, vpp=None, dp=4, sp=False, dist_opt=False, recompute="none")
+    dp4 = _lay(dp=4)
     shape = ModelShape.of(cfg.model, 50_257)
-    est = estimate(cfg, shape, dp4, num_microbatches=1, flash_attention=False)
+    est = estimate(cfg, shape, dp4, flash_attention=False)
     assert est.params_total == est.params_per_gpu == params
     assert est.weights_and_optimizer == 18 * params == 2_240_566_272  # 2 + 4 + 4 + 4 + 4 bytes
-    with_dist_opt = estimate(cfg, shape, Layout(1, 1, None, 4, False, True, "none"), 1, flash_attention=False)
+    with_dist_opt = estimate(cfg, shape, _lay(dp=4, dist_opt=True), flash_attention=False)
     assert with_dist_opt.weights_and_optimizer == (6 + 12 / 4) * params == 1_120_283_136
 
     # Korthikanti Table 2, s=1024 b=4 h=768 a=12: sbh(34 + 5as/h) = 3,145,728 * (34 + 80) per layer
     sbh = 1_024 * 4 * 768
     assert layer_activations(cfg, shape, dp4, flash_attention=False) == sbh * (34 + 5 * 12 * 1_024 / 768) == 358_612_992
-    tp2 = Layout(2, 1, None, 2, False, False, "none")  # TP without SP: sbh(10 + 24/t + 5as/(ht))
+    tp2 = _lay(tp=2, dp=2)  # TP without SP: sbh(10 + 24/t + 5as/(ht))
     assert layer_activations(cfg, shape, tp2, False) == sbh * (10 + 24 / 2 + 5 * 12 * 1_024 / (768 * 2))
-    tp2_sp_selective = Layout(2, 1, None, 2, True, False, "selective")  # sbh * 34 / t
-    assert layer_activations(cfg, shape, tp2_sp_selective, False) == sbh * 34 / 2
-    assert layer_activations(cfg, shape, Layout(1, 1, None, 4, False, False, "full"), False) == 2 * sbh  # input only
+    tp2_sp = _lay(tp=2, dp=2, sp=True)  # selective: sbh * 34 / t
+    assert layer_activations(cfg, shape, tp2_sp, False, recompute="selective") == sbh * 34 / 2
+    assert layer_activations(cfg, shape, dp4, False, recompute="full") == 2 * sbh  # input only
     # the step's peak: 12 layers, + the final norm and output-layer inputs (2 * 2sbh), + the bf16 logits
     # and the fp32 softmax of cross-entropy ((2 + 4) * s * b * V)
     assert est.activations == 12 * 358_612_992 + 4 * sbh + 6 * 1_024 * 4 * 50_304 == 5_552_209_920
@@ -75,11 +82,11 @@ def test_llama2_7b_tp2_pp2_by_hand():
     assert num_params(shape, tp=2, pp=2, stage=0) == first == 1_684_668_416
     # last stage: the same layers, the final norm (4,096) and an output layer the size of the embedding
     assert num_params(shape, tp=2, pp=2, stage=1) == first + 4_096
-    lay = Layout(tp=2, pp=2, vpp=None, dp=2, sp=True, dist_opt=True, recompute="none")
-    est = estimate(cfg, shape, lay, num_microbatches=4)  # m = 8 / (1 * 2)
+    lay = _lay(tp=2, pp=2, dp=2, sp=True, dist_opt=True, microbatches=4)  # m = 8 / (1 * 2)
+    est = estimate(cfg, shape, lay)
     assert est.stage == 0
     assert est.weights_and_optimizer == (6 + 12 / 2) * first == 20_216_020_992
-    assert estimate(cfg, shape, Layout(2, 2, None, 2, True, False, "none"), 4).weights_and_optimizer == 18 * first
+    assert estimate(cfg, shape, _lay(tp=2, pp=2, dp=2, sp=True, microbatches=4)).weights_and_optimizer == 18 * first
 
     # one layer, s=4096 b=1 h=4096, bf16, tp=2 with SP, flash attention (no s x s scores), in bytes:
     #   norm + linear inputs, sequence-sharded: 2 * 4 * sbh / 2          = 67,108,864
@@ -92,16 +99,19 @@ def test_llama2_7b_tp2_pp2_by_hand():
     assert est.activations == 2 * 16 * per_layer == 11_140_071_424
     assert est.mem_gb() == {"weights_and_optimizer": 20.216, "activations": 11.14, "total": 31.356}
     # interleaved (vpp=2): (1 + (pp-1)/(pp*vpp)) = 1.25 times the 32 layer-micro-batches
-    vpp2 = estimate(cfg, shape, Layout(2, 2, 2, 2, True, True, "none"), 4)
+    vpp2 = estimate(cfg, shape, _lay(tp=2, pp=2, vpp=2, dp=2, sp=True, dist_opt=True, microbatches=4))
     assert vpp2.activations == 32 * 1.25 * per_layer
-    # context parallel 2 at dp 1: every sequence-long tensor halves, and the K and V each layer gathers come
-    # back at full length, 2 bytes * s*b*(4096 + 4096) / tp 2 = 33,554,432; the stage keeps one [s/2, s]
-    # boolean mask; the distributed optimizer shards over dp x cp = 2
-    cp2 = Layout(2, 2, None, 1, True, True, "none", cp=2)
-    assert layer_activations(cfg, shape, cp2, True) == per_layer / 2 + 33_554_432 == 207_618_048
-    est_cp2 = estimate(cfg, shape, cp2, num_microbatches=8)  # m = 8 / (1 * 1)
+    # context parallel 2 at dp 1 (s = 2048 on each rank): every sequence-long tensor halves, but attention keeps
+    # Q (rotated), its output and the K and V it gathers at full length (not the local QKV output or rotated K:
+    # tests/test_activation_bytes.py), 2 bytes * 2048 * (4096 + 4096 + 2 * 2 * 4096) / tp 2 = 50,331,648 (with
+    # MHA as much as without CP); the stage keeps one [s/2, s] bf16 additive mask, shared by the layers; the
+    # distributed optimizer shards over dp x cp = 2
+    cp2 = _lay(tp=2, pp=2, cp=2, sp=True, dist_opt=True, microbatches=8)  # m = 8 / (1 * 1)
+    inputs, swiglu = 67_108_864 / 2, 180_355_072 / 2
+    assert layer_activations(cfg, shape, cp2, True) == inputs + 50_331_648 + swiglu == per_layer / 2 == 174_063_616
+    est_cp2 = estimate(cfg, shape, cp2)
     assert est_cp2.stage == 0 and est_cp2.weights_and_optimizer == (6 + 12 / 2) * first
-    assert est_cp2.activations == 2 * 16 * 207_618_048 + 2_048 * 4_096
+    assert est_cp2.activations == 2 * 16 * 174_063_616 + 2 * 2_048 * 4_096
 
 
 def test_plan_cli_json_lists_layouts_and_recommends_one_that_fits():
@@ -172,9 +182,9 @@ def test_measured_weights_grads_optimizer_match_the_estimate():
     vocab_size = 257  # the byte tokenizer's, what the tiny model trains with
     measured = run_distributed(_state_bytes, 1, (overrides, vocab_size), timeout=240)[0]
     for dist_opt, got in zip((False, True), measured):
-        lay = Layout(tp=1, pp=1, vpp=None, dp=1, sp=False, dist_opt=dist_opt, recompute="none")
+        lay = _lay(dist_opt=dist_opt, microbatches=2)
         cfg = compose(overrides)
-        expected = estimate(cfg, ModelShape.of(cfg.model, vocab_size), lay, num_microbatches=2).weights_and_optimizer
+        expected = estimate(cfg, ModelShape.of(cfg.model, vocab_size), lay).weights_and_optimizer
         assert abs(got - expected) / expected < 0.02, (dist_opt, got, expected)
 
 

@@ -10,13 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_verify_layouts_subset_passes(tmp_path):
-    proc = subprocess.run([sys.executable, "tools/verify_layouts.py", "--steps", "3", "--layouts", "vpp,accum",
+    proc = subprocess.run([sys.executable, "tools/verify_layouts.py", "--steps", "3", "--layouts", "pp2vpp2,dp2-accum",
                            "--work-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {line.split()[0]: line for line in proc.stdout.splitlines()
-            if line.split() and line.split()[0] in ("vpp", "accum")}
-    assert set(rows) == {"vpp", "accum"} and all(row.rstrip().endswith("pass") for row in rows.values())
+            if line.split() and line.split()[0] in ("pp2vpp2", "dp2-accum")}
+    assert set(rows) == {"pp2vpp2", "dp2-accum"} and all(row.rstrip().endswith("pass") for row in rows.values())
     summary, curves = proc.stdout.strip().splitlines()[-2:]
     assert summary.startswith("2/2 layouts match the 1-process reference over 3 steps (all pass)")
     assert curves == f"curves: {tmp_path / 'layouts.png'}" and (tmp_path / "layouts.png").stat().st_size > 10_000

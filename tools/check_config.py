@@ -27,10 +27,10 @@ def check(argv: list[str]) -> None:
     quiet_known_noise()
     check_mcore_version()
     cfg = compose(overrides)
-    derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    layout = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if args.port is not None and (problem := port_problem(args.port)):
         raise LaunchError(problem)
-    print(f"config ok: {derived.describe(cfg)}")
+    print(f"config ok: {layout.describe()}")
 
 
 def main(argv: list[str]) -> int:

@@ -84,7 +84,7 @@ def run(args) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         cfg.train.global_batch_size = cfg.train.micro_batch_size * world // (cfg.parallel.tp * cfg.parallel.pp
                                                                             * cfg.parallel.cp)
-    derived = validate(cfg)
+    layout = validate(cfg)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     with D.distributed(**D.layout_of(cfg)) as info:
         state = load_model(cfg, shape, info.device)
@@ -105,11 +105,11 @@ def run(args) -> None:
         with torch.no_grad():
             for k in range(batches):
                 streams = micro_batch_streams(chunks, samples, start(k), micro)
-                total += global_loss_sum(run_schedule(state, streams, derived, cfg, forward_only=True), info.device)
+                total += global_loss_sum(run_schedule(state, streams, layout, cfg, forward_only=True), info.device)
         loss = (total[0] / total[1]).item()
         if os.environ.get("RANK", "0") == "0":
             layout = (f"tp {ps.get_tensor_model_parallel_world_size()} pp "
-                      f"{ps.get_pipeline_model_parallel_world_size()} cp {derived.cp} dp {derived.dp}")
+                      f"{ps.get_pipeline_model_parallel_world_size()} cp {layout.cp} dp {layout.dp}")
             result = {"loss": loss, "ppl": math.exp(min(loss, 30)), "tokens": int(total[1].item()),
                       "batches": batches, "source": args.text or args.data or "validation split",
                       "checkpoint": str(path), "layout": layout}

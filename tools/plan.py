@@ -85,30 +85,25 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
     and the problems of the first rejected one (all of them rejected = a problem no layout can fix)."""
     from training.config.schema import Recompute
     from training.config.validate import problems
-    from training.estimate.memory import Layout
+    from training.parallel.layout import Layout
 
     m, p = cfg.model, cfg.parallel
     found_first: list[str] = []
     valid = []
     for tp in divisors(gpus_per_node):
-        if world % tp:
-            continue
-        for pp, cp in itertools.product(divisors(world // tp), divisors(world // tp)):
-            if world % (tp * pp * cp) or (cp > 1 and (m.moe.num_experts or m.seq_length % (2 * cp))):
-                continue  # CP: dense models whose sequence splits into 2 x cp chunks
-            dp = world // (tp * pp * cp)
+        for pp, cp in itertools.product(divisors(world), divisors(world)):
+            base = Layout(world, tp, pp, cp=cp)
+            if base.problems():
+                continue
             per_stage = m.num_layers // pp if m.num_layers % pp == 0 else 0
             # MoE: experts over EP ranks of the data-parallel ranks (expert TP stays 1: experts are small)
-            eps = [e for e in divisors(tp * dp) if m.moe.num_experts % e == 0] if m.moe.num_experts else [1]
-            # Megatron-FSDP (ZeRO-2 / ZeRO-3, with the distributed optimizer) where validate.py allows it
-            sharding = [(False, "none"), (True, "none")] if dp * cp > 1 else [(False, "none")]
-            if dp > 1 and pp == cp == 1 and not m.moe.num_experts:
-                sharding += [(True, "optim_grads"), (True, "optim_grads_params")]
+            eps = [e for e in divisors(tp * base.dp) if m.moe.num_experts % e == 0] if m.moe.num_experts else [1]
+            # the optimizer shards over DP x CP (none when that is 1); Megatron-FSDP where validation allows it
+            sharding = [(False, "none")] + [(True, "none")] * (base.grad_group > 1) + \
+                [(True, "optim_grads"), (True, "optim_grads_params")] * base.dp_enabled
             for vpp, sp, (dist_opt, fsdp), recompute, ep in itertools.product(
                     [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []),
-                    [False, True] if tp > 1 else [False],
-                    sharding,  # the optimizer shards over DP x CP; 1: no shards
-                    Recompute, eps):
+                    [False, True] if tp > 1 else [False], sharding, Recompute, eps):
                 parallel = dataclasses.replace(p, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp, dist_opt=dist_opt, ep=ep,
                                                etp=1, fsdp=fsdp,
                                                overlap_param_gather=p.overlap_param_gather and dist_opt)
@@ -117,7 +112,7 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
                 if found:
                     found_first = found_first or found
                 else:
-                    valid.append((Layout(tp, pp, vpp, dp, sp, dist_opt, str(recompute), ep, 1, cp, fsdp), option))
+                    valid.append((Layout.of(option, world), option))
     return valid, found_first
 
 
@@ -126,22 +121,21 @@ def assess(option, shape, lay, settings: dict) -> dict:
     from models.gpt import flops_per_token as training_flops
     from training.estimate.memory import GB, estimate
 
-    t = option.train
-    world = settings["gpus_per_node"] * settings["nodes"]
-    micro = t.global_batch_size // (t.micro_batch_size * lay.dp)
-    est = estimate(option, shape, lay, micro, settings["flash_attention"])
+    t, recompute_mode = option.train, str(option.model.recompute)
+    world, micro = lay.world, lay.num_microbatches
+    est = estimate(option, shape, lay, settings["flash_attention"])
     vocab = shape.padded_vocab(lay.tp)
     e = 2 if t.precision == "bf16" else 4
     sbh = shape.seq_length // lay.cp * t.micro_batch_size * shape.hidden_size  # this rank's tokens
     flops_per_token = training_flops(shape, lay.tp)  # 3 x forward
     flops_per_gpu = flops_per_token * t.global_batch_size * shape.seq_length / world
     recompute = {"none": 0.0, "full": (flops_per_token / 3 - 2 * shape.hidden_size * vocab) / flops_per_token,
-                 "selective": 2 * shape.num_layers * shape.seq_length * shape.q_width / flops_per_token}[lay.recompute]
+                 "selective": 2 * shape.num_layers * shape.seq_length * shape.q_width / flops_per_token}[recompute_mode]
     # TP per layer and micro-batch: 2 all-reduces forward + 2 backward (SP: all-gathers + reduce-scatters of
     # the same volume; its backward re-gather overlaps the weight-gradient GEMMs); full recompute redoes forward
-    collectives = 4 + (2 if lay.recompute == "full" else 0)
+    collectives = 4 + (2 if recompute_mode == "full" else 0)
     tp_bytes = (shape.num_layers // lay.pp) * micro * collectives * 2 * (lay.tp - 1) / lay.tp * e * sbh
-    shard = (lay.dp * lay.cp - 1) / (lay.dp * lay.cp)  # gradients are reduced over DP x CP
+    shard = (lay.grad_group - 1) / lay.grad_group  # gradients are reduced over DP x CP
     dp_bytes = est.params_per_gpu * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
     if lay.fsdp == "optim_grads_params":  # ZeRO-3: its weights gathered for forward and again for backward
         dp_bytes = est.params_per_gpu * lay.dp * shard * (4 + 2 * e)
@@ -161,7 +155,7 @@ def assess(option, shape, lay, settings: dict) -> dict:
     ep_comm = ep_bytes / (ep_gbps * GB) / compute_s
     # CP: per layer and micro-batch, K and V all-gathered forward (again in a full recompute) and their
     # gradients reduce-scattered backward: (cp-1)/cp of the full-length [s, b, kv/tp] tensors each
-    gathers = 2 + (2 if lay.recompute == "full" else 0) + 2
+    gathers = 2 + (2 if recompute_mode == "full" else 0) + 2
     cp_bytes = (shape.num_layers // lay.pp) * micro * gathers * (lay.cp - 1) / lay.cp * e * \
         shape.seq_length * t.micro_batch_size * shape.kv_width / lay.tp
     cp_gbps = settings["link_gbps"] if lay.tp * lay.cp <= settings["gpus_per_node"] else settings["internode_gbps"]
@@ -170,22 +164,13 @@ def assess(option, shape, lay, settings: dict) -> dict:
     budget = settings["gpu_mem_gb"] * t.max_memory_fraction
     return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, dp=lay.dp, ep=lay.ep, etp=lay.etp, sp=lay.sp,
                 fsdp=lay.fsdp,
-                dist_opt=lay.dist_opt, recompute=lay.recompute, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
+                dist_opt=lay.dist_opt, recompute=recompute_mode, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
                 stage=est.stage, params_total=est.params_total, params_per_gpu=est.params_per_gpu, micro_batches=micro,
                 bubble=round(bubble, 4), comm_gb={"tp": round(tp_bytes / GB, 3), "dp": round(dp_bytes / GB, 3),
                                                   "pp": round(pp_bytes / GB, 3), "ep": round(ep_bytes / GB, 3),
                                                   "cp": round(cp_bytes / GB, 3)},
+                name=lay.name, overrides=" ".join(lay.overrides(explicit=True) + [f"model.recompute={recompute_mode}"]),
                 score=round((1 + bubble) * (1 + recompute + tp_comm + ep_comm + cp_comm) + pp_comm + dp_comm, 4))
-
-
-def layout_overrides(row: dict) -> str:
-    vpp = "null" if row["vpp"] is None else row["vpp"]
-    experts = f" parallel.ep={row['ep']}" if row["ep"] > 1 else ""
-    context = f" parallel.cp={row['cp']}" if row["cp"] > 1 else ""
-    context += f" parallel.fsdp={row['fsdp']}" if row["fsdp"] != "none" else ""
-    return (f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vpp={vpp}{context}{experts} "
-            f"parallel.sp={str(row['sp']).lower()} parallel.dist_opt={str(row['dist_opt']).lower()} "
-            f"model.recompute={row['recompute']}")
 
 
 def table(rows: list[dict], top: int) -> str:
@@ -252,7 +237,7 @@ def run(argv: list[str]) -> int:
     user = " ".join(overrides)
     if best["recommended"]:
         launcher = "launch/train.sh" if settings["nodes"] == 1 else f"NNODES={settings['nodes']} launch/multinode.sh"
-        print(f"\nrecommended (#1): NPROC={settings['gpus_per_node']} {launcher} {user} {layout_overrides(best)}"
+        print(f"\nrecommended (#1): NPROC={settings['gpus_per_node']} {launcher} {user} {best['overrides']}"
               .replace("  ", " "))
     else:
         print(f"\nnothing fits: the smallest needs {min(r['mem_gb']['total'] for r in rows):.1f} GB per GPU; add "

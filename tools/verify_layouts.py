@@ -1,10 +1,10 @@
 """Same loss on one process and on many: train K steps from the same weights and data at every layout.
 
-    python tools/verify_layouts.py --steps 4 --layouts tp2,sp,pp2,vpp,dp2,distopt,tp2pp2,accum,recompute-full,recompute-selective,bf16
+    python tools/verify_layouts.py --steps 4 --layouts tp2,tp2sp,pp2,pp2vpp2,dp2,dp2distopt,tp2pp2,dp2-bf16
     python tools/verify_layouts.py --steps 4 --layouts tp2,pp2 model=gpt2_124m model.num_layers=2   # your model
-    python tools/verify_layouts.py model=moe_tiny --layouts ep2,ep2tp2,ep2distopt,ep2pp2          # experts
-    python tools/verify_layouts.py model.seq_length=256 --layouts cp2,cp2tp2,cp2distopt            # long sequences
-    python tools/verify_layouts.py --layouts fsdp,fsdp-zero2,fsdp-tp2                               # ZeRO-3 / ZeRO-2
+    python tools/verify_layouts.py model=moe_tiny --layouts ep2dp2,tp2ep2dp2sp,pp2ep2dp2    # experts
+    python tools/verify_layouts.py model.seq_length=256 --layouts cp2,tp2cp2sp,cp2distopt            # long sequences
+    python tools/verify_layouts.py --layouts dp2zero3,dp2zero2,tp2dp2zero3                        # ZeRO-3 / ZeRO-2
     python tools/verify_layouts.py model=moe_tiny          # every layout this model can run (the rest: said why)
 
 It saves the initial weights once (train.iters=0), then launches train.py with torchrun for the
@@ -33,35 +33,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FP32_TOL, BF16_TOL = 1e-5, 1e-3
 
-# name -> (processes, overrides). Global batch 16, micro 4 by default (conf/train/default.yaml).
-LAYOUTS = {
-    "tp2": (2, ["parallel.tp=2"]),
-    "sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
-    "pp2": (2, ["parallel.pp=2"]),
-    # PP=2 with 2 virtual stages: Megatron-Core's batched p2p corrupts gradients here (training/shims/upstream_fixes.py)
-    "vpp": (2, ["parallel.pp=2", "parallel.vpp=2"]),
-    "dp2": (2, ["train.micro_batch_size=8"]),  # one micro-batch per rank
-    "distopt": (2, ["parallel.dist_opt=true", "parallel.overlap_grad_reduce=true",
-                    "parallel.overlap_param_gather=true"]),
-    "tp2pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
-    "accum": (2, ["train.micro_batch_size=4"]),  # dp2, 2 micro-batches per rank
-    "recompute-full": (2, ["parallel.tp=2", "model.recompute=full"]),
-    "recompute-selective": (2, ["parallel.tp=2", "parallel.sp=true", "model.recompute=selective"]),
-    "bf16": (2, ["train.precision=bf16"]),
+# Each case: a layout (training/parallel/layout.py's names: tp2pp2dp2sp, ...) and, after a dash, what else the
+# case changes. Global batch 16, micro 4 by default (conf/train/default.yaml).
+CASES = {
+    "tp2": [], "tp2sp": [], "pp2": [],
+    # PP=2, 2 virtual stages: Megatron-Core's batched p2p corrupts gradients here (training/shims/upstream_fixes.py)
+    "pp2vpp2": [],
+    "dp2": ["train.micro_batch_size=8"],  # one micro-batch per rank
+    "dp2distopt": ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"],
+    "tp2pp2": [],
+    "dp2-accum": ["train.micro_batch_size=4"],  # 2 micro-batches per rank
+    "tp2-recompute-full": ["model.recompute=full"],
+    "tp2sp-recompute-selective": ["model.recompute=selective"],
+    "dp2-bf16": ["train.precision=bf16"],
     # Megatron-FSDP: ZeRO-3 and ZeRO-2 over DP, ZeRO-3 with TP
-    "fsdp": (2, ["parallel.fsdp=optim_grads_params"]),
-    "fsdp-zero2": (2, ["parallel.fsdp=optim_grads"]),
-    "fsdp-tp2": (4, ["parallel.fsdp=optim_grads_params", "parallel.tp=2"]),
+    "dp2zero3": [], "dp2zero2": [], "tp2dp2zero3": [],
     # context parallel (sequences split over ranks; needs model.seq_length divisible by 2 x cp (x tp with SP))
-    "cp2": (2, ["parallel.cp=2"]),
-    "cp2tp2": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
-    "cp2distopt": (2, ["parallel.cp=2", "parallel.dist_opt=true", "parallel.overlap_grad_reduce=true"]),
+    "cp2": [], "tp2cp2sp": [], "cp2distopt": ["parallel.overlap_grad_reduce=true"],
     # a mixture of experts (model=moe_tiny): experts over 2 ranks, with TP+SP, the distributed optimizer, PP
-    "ep2": (2, ["parallel.ep=2"]),
-    "ep2tp2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]),
-    "ep2distopt": (2, ["parallel.ep=2", "parallel.dist_opt=true", "parallel.overlap_grad_reduce=true"]),
-    "ep2pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
+    "ep2dp2": [], "tp2ep2dp2sp": [], "ep2dp2distopt": ["parallel.overlap_grad_reduce=true"], "pp2ep2dp2": [],
 }
+
+
+def case(name: str) -> tuple[int, list[str]]:
+    """(processes, overrides) of a case: its layout's, then the case's own."""
+    from training.parallel.layout import Layout
+
+    layout = Layout.from_name(name.split("-")[0])
+    return layout.world, [*layout.overrides(), *CASES[name]]
 
 
 def default_layouts(user_overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -73,7 +72,8 @@ def default_layouts(user_overrides: list[str]) -> tuple[list[str], list[str]]:
     cfg = compose(user_overrides)
     moe = bool(cfg.model.moe.num_experts)
     runnable, skipped = [], []
-    for name, (nproc, overrides) in LAYOUTS.items():
+    for name in CASES:
+        nproc, overrides = case(name)
         found = problems(compose([*user_overrides, *overrides]), nproc)
         if moe and any(o.startswith("train.micro_batch_size=") for o in overrides):
             skipped.append(f"{name} (changes the micro-batch: another MoE load-balancing loss)")
@@ -108,7 +108,7 @@ def max_rel_diff(got: list[float], ref: list[float]) -> float:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per layout")
-    parser.add_argument("--layouts", default=None, help=f"comma-separated from {', '.join(LAYOUTS)} (default: "
+    parser.add_argument("--layouts", default=None, help=f"comma-separated from {', '.join(CASES)} (default: "
                                                         f"every one this model can run)")
     parser.add_argument("--work-dir", default=None, help="where run dirs go (default: a temporary dir)")
     args, user_overrides = parser.parse_known_args(argv)
@@ -118,9 +118,9 @@ def main(argv: list[str]) -> int:
             print(f"skipped: {line}")
     else:
         names = [n for n in args.layouts.split(",") if n]
-    unknown = [n for n in names if n not in LAYOUTS]
+    unknown = [n for n in names if n not in CASES]
     if unknown:
-        print(f"error: unknown layouts {unknown}; choose from {', '.join(LAYOUTS)}", file=sys.stderr)
+        print(f"error: unknown layouts {unknown}; choose from {', '.join(CASES)}", file=sys.stderr)
         return 2
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="verify_layouts."))
     common = [*user_overrides, f"train.iters={args.steps}", "train.log_interval=1", "train.eval_interval=0",
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     start = [f"checkpoint.load={work}/init/checkpoints/iter_0000000", "checkpoint.finetune=true"]
 
     references = {}
-    for precision in sorted({"bf16" if "train.precision=bf16" in LAYOUTS[n][1] else "fp32" for n in names} | {"fp32"}):
+    for precision in sorted({"bf16" if "train.precision=bf16" in CASES[n] else "fp32" for n in names} | {"fp32"}):
         run_dir = work / f"reference-{precision}"
         ref_run = launch(1, run_dir, [*common, *start, f"train.precision={precision}"])
         if ref_run.returncode != 0:
@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
 
     failures = 0
     for name in names:
-        nproc, overrides = LAYOUTS[name]
+        nproc, overrides = case(name)
         precision = "bf16" if "train.precision=bf16" in overrides else "fp32"
         tol = BF16_TOL if precision == "bf16" else FP32_TOL
         run = launch(nproc, work / name, [*common, *start, *overrides])

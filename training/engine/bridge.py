@@ -13,7 +13,8 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.shape import ModelShape
-from training.config.schema import Activation, Config, Fsdp, Precision, Recompute
+from training.config.schema import Activation, Config, Precision, Recompute
+from training.parallel import fsdp
 from training.shims import upstream_fixes
 
 ACTIVATIONS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu}  # swiglu: SiLU(gate) * up (gated below)
@@ -99,27 +100,14 @@ def moe_settings(cfg: Config, shape: ModelShape) -> dict:
     )
 
 
-def uses_fsdp(cfg: Config) -> bool:
-    """Megatron-FSDP (parallel.fsdp); training/config.to_config then also sets parallel.dist_opt."""
-    return cfg.parallel.fsdp != Fsdp.none
-
-
 def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
     p = cfg.parallel
-    fsdp = uses_fsdp(cfg)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,  # reduce and accumulate gradients in fp32 also under bf16
         overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.dist_opt, bucket_size=p.bucket_size,
         average_in_collective=False,  # the per-token loss is normalised in finalize_model_grads
-        # Megatron-FSDP (training/engine/build.py wraps with its adapter): ZeRO-2 / ZeRO-3 over DP, its gradients
-        # kept and reduced in fp32 as DDP's above (its default is the parameters' dtype)
-        use_megatron_fsdp=fsdp, data_parallel_sharding_strategy=str(p.fsdp) if fsdp else "no_shard",
-        megatron_fsdp_main_grads_dtype=torch.float32, megatron_fsdp_grad_comm_dtype=torch.float32,
-        # ZeRO-3: after the optimizer step Megatron-FSDP would prefetch every unit's weights at once and
-        # hold that full copy until the next forward (11 instead of 9 bytes/param at DP2, bf16); off, the
-        # forward's own hooks gather (and prefetch) unit by unit and free each after use
-        fsdp_all_gather_in_start_param_sync=False,
+        **fsdp.ddp_settings(cfg),  # Megatron-FSDP's (training/parallel/fsdp.py): ZeRO-2 / ZeRO-3 over DP
     )
 
 
@@ -146,3 +134,5 @@ def scheduler_kwargs(cfg: Config) -> dict:
         # the config, not the checkpoint, defines the schedule: raising train.iters on resume extends it
         use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
+
+

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
@@ -22,8 +21,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.gpt import GPT
 from models.shape import ModelShape
-from training.config.schema import Config, Fsdp
+from training.config.schema import Config
 from training.engine import bridge
+from training.parallel.wrap import wrap
 from training.shims import upstream_fixes
 
 
@@ -36,14 +36,6 @@ class TrainState:
     scheduler: OptimizerParamScheduler | None
     config: TransformerConfig  # the one config every chunk and Megatron-Core's schedules read
     shape: ModelShape  # the resolved sizes (models/shape.py)
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """DDP(Float16Module(model)) or FSDP(MegatronFSDP(...)) -> model (any wrapper may be absent): our GPT, or
-    Megatron-Core's GPTModel in the benchmark."""
-    while isinstance(module, (_BaseDataParallel, Float16Module)) or type(module).__name__ == "MegatronFSDP":
-        module = module.module
-    return module
 
 
 def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, device: torch.device,
@@ -67,25 +59,6 @@ def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, 
     return chunks
 
 
-def wrap_ddp(chunks: list, config: TransformerConfig, cfg: Config, device: torch.device) -> list:
-    """Megatron-Core's DDP per chunk, or with parallel.fsdp its Megatron-FSDP adapter: ZeRO-3 gathers each
-    TransformerLayer's parameters when it runs (the FSDP unit) and frees them after; ZeRO-2 keeps them."""
-    ddp_config = bridge.ddp_config(cfg)
-    if bridge.uses_fsdp(cfg):
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-        from models.layer import TransformerLayer
-
-        units = [TransformerLayer] if cfg.parallel.fsdp == Fsdp.optim_grads_params else []
-        return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, fsdp_unit_modules=units,
-                                         disable_bucketing=index > 0, device=device)
-                for index, chunk in enumerate(chunks)]
-    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                    # Megatron-LM: only the first chunk buckets (overlap with backward)
-                                    disable_bucketing=index > 0)
-            for index, chunk in enumerate(chunks)]
-
-
 def _one_or_list(hooks: list):
     return hooks[0] if len(hooks) == 1 else hooks
 
@@ -103,7 +76,7 @@ def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = 
         prepare(chunks)
     if not train:
         return TrainState(model=chunks, optimizer=None, scheduler=None, config=config, shape=shape)
-    model = wrap_ddp(chunks, config, cfg, device)
+    model = wrap(chunks, config, bridge.ddp_config(cfg), cfg, device)  # DDP, or Megatron-FSDP
     optimizer = get_megatron_optimizer(bridge.optimizer_config(cfg), model)
     scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -40,10 +42,35 @@ def memory_gb(device: torch.device) -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 1e9
 
 
-# The keys of a training record; any other numeric key is a named extra loss (models/extra_losses.py),
-# printed after the loss.
-RESERVED_KEYS = frozenset({"iteration", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu",
-                           "mfu", "mem_gb", "step_ms", "consumed_samples", "skipped", "restarts"})
+@dataclass
+class TrainRecord:
+    """One logged training iteration: a field here is a metrics.jsonl key, a TensorBoard scalar and (in
+    format_line) part of the console line. Adding a metric = a field here and its value in the loop."""
+
+    iteration: int
+    loss: float  # the token mean over the global batch, identical on every rank
+    lr: float
+    grad_norm: float | None
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float | None  # None where the peak is unknown (CPU)
+    mem_gb: float
+    step_ms: float
+    consumed_samples: int
+    skipped: int  # steps skipped so far (train.nan_policy=skip)
+    restarts: int  # torchrun restarts of this job
+    extra: dict = field(default_factory=dict)  # the blocks' named extra losses (models/extra_losses.py)
+
+    def as_dict(self) -> dict:
+        """The JSON line: the extra losses right after the loss, each under its own name."""
+        plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        head = {k: plain.pop(k) for k in ("iteration", "loss")}
+        return {**head, **self.extra, **plain}
+
+
+# The keys of a training record (and an eval record's val_loss); any other numeric key is a named extra
+# loss, printed after the loss.
+RESERVED_KEYS = frozenset(f.name for f in fields(TrainRecord) if f.name != "extra") | {"val_loss"}
 
 
 def format_line(record: dict, total_iters: int) -> str:
@@ -66,6 +93,40 @@ def format_line(record: dict, total_iters: int) -> str:
     return " | ".join(parts)
 
 
+class Throughput:
+    """The logging window's clock: tokens/s, TFLOP/s per device, MFU and step time over the steps since the
+    last record; an evaluation or a save pauses it (their time is not a step's)."""
+
+    def __init__(self, cfg, shape, layout, device: torch.device):
+        from models.gpt import flops_per_token
+
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.flops_per_step = flops_per_token(shape, layout.tp) * self.tokens_per_step
+        self.world, self.device = layout.world, device
+        self.peak = peak_tflops(device, cfg.train.precision)
+        self.pause()
+
+    def pause(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def stepped(self) -> None:
+        self.steps += 1
+
+    def record(self, iteration: int, result, state, consumed: int, skipped: int, restarts: int) -> TrainRecord:
+        """This window's record (step.StepResult's loss, grad norm and extras; the scheduler's lr); restarts
+        the window."""
+        elapsed = time.perf_counter() - self.start
+        tflops = self.flops_per_step * self.steps / elapsed / self.world / 1e12
+        record = TrainRecord(
+            iteration=iteration, loss=result.loss, lr=state.scheduler.get_lr(state.optimizer.param_groups[0]),
+            grad_norm=result.grad_norm, tokens_per_s=self.tokens_per_step * self.steps / elapsed,
+            tflops_per_gpu=tflops, mfu=None if self.peak is None else tflops / self.peak,
+            mem_gb=memory_gb(self.device), step_ms=1000 * elapsed / self.steps, consumed_samples=consumed,
+            skipped=skipped, restarts=restarts, extra=dict(result.extra))
+        self.pause()
+        return record
+
+
 class MetricsLogger:
     """Appends to <run dir>/metrics.jsonl, prints one line, writes TensorBoard scalars (rank 0 only)."""
 
@@ -80,9 +141,11 @@ class MetricsLogger:
 
                 self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict | TrainRecord) -> None:
         if not self.enabled:
             return
+        if isinstance(record, TrainRecord):
+            record = record.as_dict()
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(format_line(record, self.total_iters), flush=True)

@@ -1,6 +1,6 @@
 """One training step, top to bottom, and one evaluation pass.
 
-    result = train_step(state, streams, derived, cfg, device)   # StepResult(loss, grad_norm, skipped, extra)
+    result = train_step(state, streams, layout, cfg, device)   # StepResult(loss, grad_norm, skipped, extra)
 
 A step: zero the gradient buffers -> Megatron-Core's pipeline schedule (`get_forward_backward_func`: no
 pipelining, 1F1B, or interleaved 1F1B) runs forward and backward over this DP rank's micro-batches and
@@ -24,12 +24,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from models.spec import extra_stats
 from training.config.schema import Config, NanPolicy
-from training.config.validate import Derived
-from training.engine.build import TrainState, unwrap
+from training.engine.build import TrainState
 from training.engine.losses import extra_losses, global_loss, global_loss_sum, loss_func
 from training.errors import TemplateError
 from training.parallel import dist as D
 from training.parallel.context import split_batch
+from training.parallel.layout import Layout
+from training.parallel.wrap import unwrap
 
 
 class NonFiniteLoss(TemplateError):
@@ -56,12 +57,12 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, mask)
 
 
-def run_schedule(state: TrainState, streams, derived: Derived, cfg: Config, forward_only: bool,
+def run_schedule(state: TrainState, streams, layout: Layout, cfg: Config, forward_only: bool,
                  step=forward_step) -> list[dict]:
     """The pipeline schedule over one global batch; returns the last stage's per-micro-batch reports."""
     return get_forward_backward_func()(
         forward_step_func=step, data_iterator=streams, model=state.model,
-        num_microbatches=derived.num_microbatches, seq_length=cfg.model.seq_length,
+        num_microbatches=layout.num_microbatches, seq_length=cfg.model.seq_length,
         micro_batch_size=cfg.train.micro_batch_size, forward_only=forward_only)
 
 
@@ -86,12 +87,12 @@ def nonfinite_grad_ranks(state: TrainState, device: torch.device) -> list[int]:
     return bad.nonzero().flatten().tolist()
 
 
-def train_step(state: TrainState, streams, derived: Derived, cfg: Config, device: torch.device,
+def train_step(state: TrainState, streams, layout: Layout, cfg: Config, device: torch.device,
                step=forward_step) -> StepResult:
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    reports = run_schedule(state, streams, derived, cfg, forward_only=False, step=step)
+    reports = run_schedule(state, streams, layout, cfg, forward_only=False, step=step)
     loss = global_loss(reports, device).item()
     extra = extra_losses(extra_stats(state.shape), device)
     problem = f"loss is {loss}" if not math.isfinite(loss) else None
@@ -108,7 +109,7 @@ def train_step(state: TrainState, streams, derived: Derived, cfg: Config, device
     return StepResult(loss, None if grad_norm is None else float(grad_norm), False, extra)
 
 
-def evaluate(state: TrainState, make_streams, derived: Derived, cfg: Config, device: torch.device) -> float:
+def evaluate(state: TrainState, make_streams, layout: Layout, cfg: Config, device: torch.device) -> float:
     """The token-mean LM loss (forward only) over the first train.eval_iters global batches of the streams
     make_streams() starts (the validation split: the same batches at every evaluation; tools/evaluate.py
     computes the same number from a checkpoint)."""
@@ -118,7 +119,7 @@ def evaluate(state: TrainState, make_streams, derived: Derived, cfg: Config, dev
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for _ in range(cfg.train.eval_iters):
-            total += global_loss_sum(run_schedule(state, streams, derived, cfg, forward_only=True), device)
+            total += global_loss_sum(run_schedule(state, streams, layout, cfg, forward_only=True), device)
     for chunk in state.model:
         chunk.train()
     return (total[0] / total[1].clamp(min=1)).item()

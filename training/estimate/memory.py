@@ -1,79 +1,51 @@
 """Per-GPU memory of a training layout, estimated before anything is allocated (tools/plan.py ranks
 layouts with it; training/estimate/preflight.py stops a run that cannot fit).
 
-    est = estimate(cfg, shape, Layout.of(cfg, dp), num_microbatches)     # shape: models/shape.py
+    est = estimate(cfg, shape, Layout.of(cfg, world))     # models/shape.py; training/parallel/layout.py
     est.mem_gb()   # {"weights_and_optimizer": ..., "activations": ..., "total": ...}
 
 Weights + gradients + optimizer state, per parameter on one GPU: bf16 params, fp32 gradients
 (bridge.ddp_config sets grad_reduce_in_fp32) and Adam's fp32 main params, exp_avg and exp_avg_sq:
 2 + 4 + 12 = 18 bytes; the distributed optimizer shards the 12 over DP: 6 + 12/dp. fp32 runs have no
-separate main copy: 4 + 4 + 8 = 16, or 8 + 8/dp. Megatron-FSDP (parallel.fsdp) keeps the model weights
-(bf16 or fp32, p bytes), fp32 main weights, fp32 gradients and Adam's moments in buffers sharded over DP:
-ZeRO-2 (optim_grads) p + 16/dp, ZeRO-3 (optim_grads_params) (p + 16)/dp, plus p for every weight outside
-the FSDP units (embedding, final norm, untied output layer: the root unit stays gathered); while a layer
-runs, its unit and the next (prefetched) are unsharded too: 2 layers' weights x p, counted with the
-activations (training/engine/bridge.py keeps Megatron-FSDP from gathering every unit after the optimizer step).
-Measured on the tiny model at dp 2 in bf16: ZeRO-3 0.51x of DDP's 18 bytes. Parameters are counted from the real shapes of models/
+separate main copy: 4 + 4 + 8 = 16, or 8 + 8/dp. Megatron-FSDP's terms (ZeRO-2 / ZeRO-3 shards, the
+unsharded root unit and the layers in flight) are training/parallel/fsdp.py's; measured on the tiny model at
+dp 2 in bf16: ZeRO-3 0.51x of DDP's 18 bytes. Parameters are counted from the real shapes of models/
 (models.gpt.num_params: each block declares its own count, and a test checks the sum against the built
 model for every preset).
 
-Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models" (arXiv:2205.05198, Table 2: sbh(34 + 5as/h) bytes per layer with 2-byte activations), term by
-term for this repo's layers: GQA shrinks K and V, SwiGLU keeps 4 ffn-wide tensors instead of GELU's 2,
-unfused RoPE keeps rotated copies of Q and K, dropout masks exist only when dropout > 0 (torch skips
-p=0), and the s x s attention scores exist only without flash attention. The first pipeline stage holds
-pp micro-batches in 1F1B, times (1 + (pp-1)/(pp*vpp)) when interleaved. Context parallelism (cp) divides
-every sequence-long tensor by cp and adds the full-length K and V each layer gathers (models/
-context_parallel.py) and its [s/cp, s] causal mask (one per rank); the distributed optimizer shards over
-DP x CP.
+Activations are what each layer's blocks declare (`activation_bytes(shape, split, act)`, models/spec.py; act:
+models/activations.py's context of this config and layout), summed over the stage's layers; a test holds every
+built-in block's declaration to the tensors its forward saves (tests/test_activation_bytes.py). The built-in
+blocks follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv:2205.05198, Table 2: sbh(34 + 5as/h) bytes per layer with 2-byte activations), term by term, as this
+repo's code keeps them: GQA shrinks K and V, SwiGLU keeps 4 ffn-wide tensors (3 with the fused kernel) instead
+of GELU's 2, RoPE keeps rotated copies of Q and K, dropout masks exist only when dropout > 0 (torch skips p=0),
+the s x s attention scores only without flash attention, a MoE MLP keeps k permuted copies of each token and
+its experts' tensors for each. The first pipeline stage holds pp micro-batches in 1F1B, times
+(1 + (pp-1)/(pp*vpp)) when interleaved; full recomputation keeps each layer's input, plus the largest layer's
+activations while backward recomputes it. Context parallelism (cp) divides every sequence-long tensor by cp;
+the attention keeps the full-length K and V it gathers (models/context_parallel.py), and the stage one [s/cp, s]
+additive causal mask in the activations' dtype, which every layer's attention kernel keeps (the same tensor);
+the distributed optimizer shards over DP x CP.
 
 Not counted (keep headroom with train.max_memory_fraction): the CUDA context and NCCL buffers (~1 GB),
-allocator fragmentation, pipeline send/receive buffers, flash attention's O(s) softmax statistics.
+allocator fragmentation, pipeline send/receive buffers, O(s) statistics (norms', flash attention's softmax).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
+from models.activations import ActivationContext
 from models.shape import ModelShape, Split
 from models.spec import layer_spec
 from training.config.schema import Config
+from training.parallel import fsdp as fsdp_feature
+from training.parallel.layout import Layout
 
 GB = 1e9  # decimal gigabytes, as metrics.jsonl's mem_gb
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    vpp: int | None  # virtual stages per pipeline rank; None = plain 1F1B
-    dp: int
-    sp: bool
-    dist_opt: bool
-    recompute: str  # none | selective | full
-    ep: int = 1  # expert parallel (MoE)
-    etp: int = 1  # expert tensor parallel (MoE)
-    cp: int = 1  # context parallel: each rank holds seq/cp tokens of every sequence
-    fsdp: str = "none"  # Megatron-FSDP: none | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
-
-    @classmethod
-    def of(cls, cfg: Config, dp: int) -> Layout:
-        p = cfg.parallel
-        return cls(p.tp, p.pp, p.vpp, dp, p.sp, p.dist_opt, str(cfg.model.recompute), p.ep, p.etp, p.cp,
-                   str(p.fsdp))
-
-    @property
-    def edp(self) -> int:
-        """Expert data parallel: the ranks holding the same experts (world / (pp * ep * etp))."""
-        return self.tp * self.cp * self.dp // (self.ep * self.etp)
-
-    def describe(self) -> str:
-        experts = f" ep {self.ep} etp {self.etp}" if self.ep * self.etp > 1 else ""
-        context = f" cp {self.cp}" if self.cp > 1 else ""
-        sharding = f"fsdp {self.fsdp}" if self.fsdp != "none" else f"dist_opt {'on' if self.dist_opt else 'off'}"
-        return (f"tp {self.tp} pp {self.pp} vpp {self.vpp or '-'}{context} dp {self.dp}{experts} "
-                f"sp {'on' if self.sp else 'off'} {sharding} "
-                f"recompute {self.recompute}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +56,7 @@ class Estimate:
     stage: int  # pipeline rank of the most-loaded stage
     weights_and_optimizer: float  # bytes on that GPU
     activations: float  # bytes on that GPU at the peak of the step
+    recompute: str = "none"  # model.recompute the activations assume
 
     @property
     def total(self) -> float:
@@ -95,62 +68,43 @@ class Estimate:
 
     def summary(self) -> str:
         g = self.mem_gb()
-        return (f"memory estimate per GPU ({self.layout.describe()}): {g['total']:.2f} GB = weights+grads+optimizer "
-                f"{g['weights_and_optimizer']:.2f} + activations {g['activations']:.2f} on pipeline stage "
-                f"{self.stage} ({self.params_per_gpu / 1e6:,.1f} M of {self.params_total / 1e6:,.1f} M parameters)")
+        return (f"memory estimate per GPU ({self.layout.name}, recompute {self.recompute}): {g['total']:.2f} GB = "
+                f"weights+grads+optimizer {g['weights_and_optimizer']:.2f} + activations {g['activations']:.2f} on "
+                f"pipeline stage {self.stage} ({self.params_per_gpu / 1e6:,.1f} M of {self.params_total / 1e6:,.1f} M "
+                f"parameters)")
 
 
 def bytes_per_param(precision: str, dist_opt: bool, dp: int, fsdp: str = "none") -> float:
-    if fsdp != "none":  # model weights p, fp32 main weights, grads and moments: 4 + 4 + 8, sharded (module doc)
-        p = 2 if precision == "bf16" else 4
-        return p + 16 / dp if fsdp == "optim_grads" else (p + 16) / dp
+    if fsdp != "none":  # the feature's own terms (training/parallel/fsdp.py)
+        return fsdp_feature.bytes_per_param(precision, fsdp, dp)
     param, grad, optimizer = (2, 4, 12) if precision == "bf16" else (4, 4, 8)
     return param + grad + optimizer / (dp if dist_opt else 1)
 
 
-def mlp_activations(cfg: Config, shape: ModelShape, lay: Layout, moe: bool) -> float:
-    """Bytes a layer's MLP keeps: GELU its input and output, SwiGLU the fc1 output (gate|up), SiLU(gate) and
-    the product. A MoE MLP (balanced routing: each rank's experts get k x its tokens) keeps that for its
-    experts' FFN width, the permuted copies of the tokens going in and out, the router's fp32 logits and
-    probabilities, and the shared expert's like a dense MLP."""
-    s, b, h, t = shape.seq_length // lay.cp, cfg.train.micro_batch_size, shape.hidden_size, lay.tp
-    e = 2 if cfg.train.precision == "bf16" else 4
-    width = 4 if shape.gated else 2
-    if not moe:
-        return e * s * b * shape.ffn_hidden_size * width / t
-    tokens = s * b / (t if lay.sp else 1)
-    k, ffn = shape.moe_top_k, shape.moe_ffn_hidden_size
-    routed = e * tokens * k * (2 * h + ffn * width / lay.etp)
-    router = 2 * 4 * tokens * shape.num_experts
-    shared = e * s * b * (shape.moe_shared_ffn_hidden_size or 0) * width / t
-    return routed + router + shared
-
-
-def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool,
-                      moe: bool = False) -> float:
-    """Bytes one layer (with a MoE MLP when moe) keeps for backward, for one micro-batch, on one GPU
-    (Korthikanti Table 2, term by term)."""
+def activation_context(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool,
+                       recompute: str | None = None) -> ActivationContext:
+    """What the blocks' activation declarations read (models/activations.py); recompute: model.recompute's."""
     m = cfg.model
-    s, b, h, t = shape.seq_length // lay.cp, cfg.train.micro_batch_size, shape.hidden_size, lay.tp  # CP: s/cp
-    e = 2 if cfg.train.precision == "bf16" else 4  # bytes per activation element
-    seq_split = t if lay.sp else 1  # SP shards the TP-replicated tensors along the sequence
-    if lay.recompute == "full":  # only the layer's input survives; the rest is recomputed in backward
-        return e * s * b * h / seq_split
-    q, kv = shape.q_width, shape.kv_width
-    mask = 1 if m.hidden_dropout > 0 else 0  # dropout masks: one byte per element
-    # 2 norm inputs, the inputs of QKV and fc1 (kept sequence-sharded under SP), 2 hidden-dropout masks
-    out = s * b * h * (4 * e + 2 * mask) / seq_split
-    # TP-sharded: Q and K (for q k^T), V, and the attention output (the projection's input)
-    out += e * s * b * (2 * q + 2 * kv) / t
-    if shape.position_embedding == "rope":  # unfused RoPE: rotated copies of Q and K (QKV's output stays as V)
-        out += e * s * b * (q + kv) / t
-    out += mlp_activations(cfg, shape, lay, moe)
-    if lay.cp > 1:  # K and V gathered to full length for attention (saved for its backward)
-        out += e * shape.seq_length * b * 2 * kv / t
-    if lay.recompute == "none" and not flash_attention:  # materialised s x s scores: softmax output,
-        dropout = 1 + e if m.attention_dropout > 0 else 0  # + dropout mask and dropout output
-        out += (e + dropout) * shape.num_attention_heads * s * shape.seq_length * b / t  # [s/cp, s] under CP
-    return out
+    fused = torch.cuda.is_available() if m.fused_kernels is None else bool(m.fused_kernels)  # bridge.fused_kernels
+    return ActivationContext(micro_batch=cfg.train.micro_batch_size, seq=shape.seq_length // lay.cp,
+                             bytes=2 if cfg.train.precision == "bf16" else 4, sp=lay.sp, cp=lay.cp,
+                             hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+                             flash=flash_attention, fused=fused, recompute=str(recompute or m.recompute))
+
+
+def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool, layer_number: int = 1,
+                      recompute: str | None = None) -> float:
+    """Bytes layer `layer_number` keeps for backward, for one micro-batch, on one GPU: what its blocks declare."""
+    act = activation_context(cfg, shape, lay, flash_attention, recompute)
+    return _layer_bytes(shape, Split(lay.tp, lay.ep, lay.etp), act, layer_number)
+
+
+def _layer_bytes(shape: ModelShape, split: Split, act: ActivationContext, layer_number: int) -> float:
+    from models.layer import TransformerLayer
+
+    if act.recompute == "full":  # only the layer's input survives; the rest is recomputed in backward
+        return act.bytes * act.tokens * shape.hidden_size / act.seq_split(split)
+    return TransformerLayer.activation_bytes(shape, layer_number, split, act)
 
 
 def layers_in_flight(num_layers: int, lay: Layout, num_microbatches: int, stage: int) -> float:
@@ -168,19 +122,16 @@ def layers_in_flight(num_layers: int, lay: Layout, num_microbatches: int, stage:
 
 def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int, stage: int,
                       flash_attention: bool) -> float:
+    from models.stack import stage_layer_numbers
+
     in_flight = layers_in_flight(shape.num_layers, lay, num_microbatches, stage)
-    moe_share = len(shape.moe_layer_numbers) / shape.num_layers  # MoE layers spread evenly over the stages
-
-    def layer(lay: Layout) -> float:
-        dense = layer_activations(cfg, shape, lay, flash_attention)
-        return dense if not moe_share else \
-            (1 - moe_share) * dense + moe_share * layer_activations(cfg, shape, lay, flash_attention, moe=True)
-
-    out = layer(lay) * in_flight
-    if lay.recompute == "full":  # backward recomputes one layer at a time: its activations live once
-        out += layer(replace(lay, recompute="none"))
-    if lay.cp > 1:  # the causal mask of context-parallel attention, [s/cp, s] booleans, shared by the layers
-        out += shape.seq_length // lay.cp * shape.seq_length
+    act, split = activation_context(cfg, shape, lay, flash_attention), Split(lay.tp, lay.ep, lay.etp)
+    numbers = stage_layer_numbers(shape.num_layers, lay.pp, lay.vpp, stage)
+    out = sum(_layer_bytes(shape, split, act, n) for n in numbers) / len(numbers) * in_flight  # its mean layer
+    if act.recompute == "full":  # backward recomputes one layer at a time: the largest one's activations live once
+        out += max(_layer_bytes(shape, split, replace(act, recompute="none"), n) for n in numbers)
+    if lay.cp > 1:  # the causal mask of context-parallel attention, [s/cp, s] additive, shared by the layers
+        out += act.bytes * act.seq * shape.seq_length
     if stage == lay.pp - 1:  # final norm and output-layer inputs; logits and cross-entropy's fp32 softmax
         e = 2 if cfg.train.precision == "bf16" else 4
         s, b = shape.seq_length // lay.cp, cfg.train.micro_batch_size
@@ -189,8 +140,7 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
     return out
 
 
-def estimate(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int,
-             flash_attention: bool = True) -> Estimate:
+def estimate(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool = True) -> Estimate:
     """The most-loaded pipeline stage (first or last) of `lay`. flash_attention=True by default because
     models/attention.py calls scaled_dot_product_attention, whose GPU kernels keep no s x s scores."""
     from models.gpt import num_params
@@ -201,16 +151,16 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, num_microbatches: int,
         params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp)
         experts = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, experts_only=True)
         # the distributed optimizer shards dense state over DP x CP, expert state over the expert-DP group
-        weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.dp * lay.cp, lay.fsdp) + \
+        weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.grad_group, lay.fsdp) + \
             experts * bytes_per_param(precision, lay.dist_opt, lay.edp)
-        activations = stage_activations(cfg, shape, lay, num_microbatches, stage, flash_attention)
-        if lay.fsdp == "optim_grads_params":  # unsharded: the root unit always, two layers' units in flight
-            p = 2 if precision == "bf16" else 4
+        activations = stage_activations(cfg, shape, lay, lay.num_microbatches, stage, flash_attention)
+        if lay.fsdp_enabled:  # ZeRO-3's unsharded weights: the root unit always, two layers' units in flight
             layer = sum(block.num_params(shape, Split(lay.tp, lay.ep, lay.etp))
                         for _, block in layer_spec(shape, 1).items())
-            weights += p * (params - shape.num_layers * layer)
-            activations += p * min(2, shape.num_layers) * layer
-        candidate = Estimate(lay, num_params(shape), params, stage, weights, activations)
+            root, in_flight = fsdp_feature.unsharded_bytes(precision, lay.fsdp, params, layer, shape.num_layers)
+            weights, activations = weights + root, activations + in_flight
+        candidate = Estimate(lay, num_params(shape), params, stage, weights, activations,
+                             str(cfg.model.recompute))
         if worst is None or candidate.total > worst.total:
             worst = candidate
     return worst

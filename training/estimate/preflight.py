@@ -4,7 +4,7 @@ seconds with numbers instead of an out-of-memory error minutes later, and every 
 it ran on.
 
     from training.estimate.preflight import preflight
-    preflight(cfg, derived, shape, info.device, run_dir)   # every rank, after the process group
+    preflight(cfg, layout, shape, info.device, run_dir)   # every rank, after the process group
 
 Every rank computes the same estimate and raises the same ConfigError (no rank waits on a peer that
 left); only global rank 0 prints and writes <run dir>/environment.json. On CPU nothing is enforced:
@@ -24,9 +24,9 @@ import torch
 
 from models.shape import ModelShape
 from training.config.schema import Config
-from training.config.validate import Derived
 from training.errors import ConfigError
-from training.estimate.memory import GB, Estimate, Layout, estimate
+from training.estimate.memory import GB, Estimate, estimate
+from training.parallel.layout import Layout
 
 # Distributions whose versions explain a run's numbers (torch: its own __version__, which names the
 # CUDA build); the first installed name of each entry counts.
@@ -89,12 +89,12 @@ def check(est: Estimate, capacity_bytes: int | None, fraction: float, model: str
             f"parallel.dist_opt=true (dp {lay.dp}), or a smaller train.micro_batch_size")
 
 
-def preflight(cfg: Config, derived: Derived, shape: ModelShape, device: torch.device,
+def preflight(cfg: Config, layout: Layout, shape: ModelShape, device: torch.device,
               run_dir: str | Path) -> Estimate:
     """Print the estimate (rank 0), write the environment report (rank 0), stop on GPU if it cannot fit."""
     from training.parallel.dist import is_rank0, print0
 
-    est = estimate(cfg, shape, Layout.of(cfg, derived.dp), derived.num_microbatches)
+    est = estimate(cfg, shape, layout)
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     budget = "" if capacity is None else \
         f"; budget {capacity * cfg.train.max_memory_fraction / GB:.1f} GB of {capacity / GB:.1f} GB"
@@ -103,7 +103,7 @@ def preflight(cfg: Config, derived: Derived, shape: ModelShape, device: torch.de
     for warning in report["warnings"]:
         print0(f"preflight warning: {warning}")
     if is_rank0():
-        report["memory_estimate"] = {"layout": est.layout.describe(), "stage": est.stage,
+        report["memory_estimate"] = {"layout": est.layout.name, "recompute": est.recompute, "stage": est.stage,
                                      "params_total": est.params_total, "params_per_gpu": est.params_per_gpu,
                                      "gb": est.mem_gb(), "max_memory_fraction": cfg.train.max_memory_fraction}
         path = Path(run_dir) / "environment.json"

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
-from megatron.core.utils import get_batch_on_this_cp_rank
 
 
 def split_batch(batch: dict) -> dict:
     """This CP rank's tokens of every [b, s] tensor of a micro-batch, with their global `position_ids`."""
+    from megatron.core import parallel_state as ps  # here: validation imports this module before Megatron-Core
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
     if ps.get_context_parallel_world_size() == 1:
         return batch
     first = next(v for v in batch.values() if v is not None)
@@ -29,6 +30,8 @@ def split_batch(batch: dict) -> dict:
 
 def gather_sequence(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Every CP rank's zigzag share of `x` along `dim`, put back in token order (the inverse of split_batch)."""
+    from megatron.core import parallel_state as ps
+
     cp = ps.get_context_parallel_world_size()
     if cp == 1:
         return x
@@ -38,3 +41,10 @@ def gather_sequence(x: torch.Tensor, dim: int) -> torch.Tensor:
     for rank, part in enumerate(parts):  # rank r holds chunks r and 2cp-1-r
         chunks[rank], chunks[2 * cp - 1 - rank] = part.chunk(2, dim=dim)
     return torch.cat(chunks, dim=dim)
+
+
+def problems(cfg, layout) -> list[str]:
+    """Beyond the sequence split (training/parallel/layout.py: seq_length % seq_divisor)."""
+    if layout.cp_enabled and cfg.model.moe.num_experts:
+        return [f"parallel.cp={layout.cp} with a mixture of experts is not supported here yet: use parallel.cp=1"]
+    return []

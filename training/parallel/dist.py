@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from training.errors import LaunchError
+from training.parallel.layout import Layout
 from training.parallel.spawn import free_port
 from training.shims import cpu_compat
 from training.shims.noise import quiet_known_noise
@@ -27,13 +28,15 @@ from training.shims.noise import quiet_known_noise
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
-    world_size: int
     local_rank: int
     device: torch.device
-    tp: int
-    pp: int
-    dp: int
-    cp: int = 1
+    layout: Layout  # the sizes (training/parallel/layout.py); dp, edp derived there
+
+    world_size = property(lambda self: self.layout.world)
+    tp = property(lambda self: self.layout.tp)
+    pp = property(lambda self: self.layout.pp)
+    dp = property(lambda self: self.layout.dp)
+    cp = property(lambda self: self.layout.cp)
 
 
 def single_process_env() -> None:
@@ -67,14 +70,12 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
-    """Data-parallel size, or a one-line error when tp * pp * cp does not divide the world."""
-    if world_size % (tp * pp * cp) != 0:
-        raise LaunchError(
-            f"world size {world_size} is not divisible by tp * pp * cp = {tp} * {pp} * {cp} = {tp * pp * cp}: "
-            f"start a multiple of {tp * pp * cp} processes or change parallel.tp / parallel.pp / parallel.cp"
-        )
-    return world_size // (tp * pp * cp)
+def check_layout(layout: Layout) -> Layout:
+    """The layout, or a LaunchError naming its first broken rule (the world the launcher started does not
+    fit the sizes: validation checked the config against WORLD_SIZE already, tests and tools may not have)."""
+    if found := layout.problems():
+        raise LaunchError(found[0])
+    return layout
 
 
 def set_seeds(seed: int) -> None:
@@ -109,7 +110,7 @@ def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
     quiet_known_noise()
     rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     local_rank = env_int("LOCAL_RANK", rank)
-    dp = check_world_size(world_size, tp, pp, cp)
+    layout = check_layout(Layout(world_size, tp, pp, vpp, cp, ep, etp))
     device = select_device(local_rank)
     from megatron.core import parallel_state
 
@@ -127,7 +128,7 @@ def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
         distributed_timeout_minutes=max(1, int(timeout_minutes)),
     )
     set_seeds(seed)
-    return DistInfo(rank, world_size, local_rank, device, tp, pp, dp, cp)
+    return DistInfo(rank, local_rank, device, layout)
 
 
 def teardown(clean: bool = True) -> None:
