@@ -1,5 +1,6 @@
-"""Run one training step of the GPT at any layout from the same full weights, and gather what it
-produced (loss, logits, every parameter's gradient) back into full, single-process shapes.
+"""Run training steps of the GPT at any layout, from the same full weights or from its own initialisation,
+and gather what it produced (losses, grad norms, logits, the weights before and after, every parameter's
+last gradient) back into full, single-process shapes.
 
 The parent test process calls `run_layout(overrides, world_size, weights, batch)`; inside each rank
 the model is built by the real engine (training.engine.build: Megatron-Core DDP, schedules,
@@ -107,7 +108,7 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
     from training.parallel.wrap import unwrap
 
     cfg = compose(overrides)
-    derived = validate(cfg)
+    layout = validate(cfg)
     p = cfg.parallel
     info = D.init(**{**D.layout_of(cfg), "timeout_minutes": 2})
     try:
@@ -149,20 +150,21 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
             return (*tp_of(param), param.partition_dim if parallel else None,
                     param.partition_stride if parallel else 1, tensor.detach().float().clone())
 
-        losses, extras, grads, params, before = [], [], {}, {}, {}
+        losses, extras, norms, grads, params, before = [], [], [], {}, {}, {}
         if steps > 1:  # the initial weights too (the next layouts load them)
             for chunk in state.model:
                 gpt = unwrap(chunk)
                 for name, param in gpt.named_parameters():
                     before.setdefault(name_of(gpt, name), []).append(tagged(param, param))
         for _ in range(steps - 1):
-            result = train_step(state, iterators(), derived, cfg, info.device)
+            result = train_step(state, iterators(), layout, cfg, info.device)
             losses.append(result.loss)
             extras.append(result.extra)
+            norms.append(result.grad_norm)
         for chunk in state.model:  # the last step: keep the gradients, do not update (zeroed as train_step does)
             chunk.zero_grad_buffer()
         state.optimizer.zero_grad()
-        losses.append(global_loss(run_schedule(state, iterators(), derived, cfg, forward_only=False),
+        losses.append(global_loss(run_schedule(state, iterators(), layout, cfg, forward_only=False),
                                   info.device).item())
         extras.append(extra_losses(extra_stats(state.shape), info.device))
         for chunk in state.model:
@@ -175,7 +177,8 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
         # this rank's parameters, built vs the memory estimate's count (models/gpt.py num_params)
         built = sum(param.numel() for chunk in state.model for param in unwrap(chunk).parameters())
         estimated = num_params(state.shape, p.tp, p.pp, ps.get_pipeline_model_parallel_rank(), p.vpp, p.ep, p.etp)
-        out = {"losses": losses, "extra": extras, "grads": grads, "params": params, "before": before,
+        out = {"losses": losses, "extra": extras, "grad_norms": norms, "grads": grads, "params": params,
+               "before": before,
                "counts": (built, estimated),
                "expert_buffers": sum(len(getattr(chunk, "expert_parallel_buffers", [])) for chunk in state.model)}
         if want_logits and p.pp == 1:
@@ -243,8 +246,10 @@ def _gather(per_rank: list[dict]) -> dict:
         assert other == losses[0], f"ranks disagree on the loss: {losses}"
     extras = [r["extra"] for r in per_rank]
     assert all(e == extras[0] for e in extras), f"ranks disagree on the extra losses: {extras}"
+    norms = [r["grad_norms"] for r in per_rank]
+    assert all(n == norms[0] for n in norms), f"ranks disagree on the grad norms: {norms}"
     rows = lambda name: VOCAB if "word_embeddings" in name or "output_layer" in name else None  # noqa: E731
-    out = {"losses": losses[0], "extra": extras[0], "counts": [r["counts"] for r in per_rank],
+    out = {"losses": losses[0], "extra": extras[0], "grad_norms": norms[0], "counts": [r["counts"] for r in per_rank],
            "expert_buffers": [r["expert_buffers"] for r in per_rank],
            "grads": {n: assemble(parts, rows(n)) for n, parts in grads.items()},
            "params": {n: assemble(parts, rows(n)) for n, parts in params.items()},

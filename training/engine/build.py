@@ -9,6 +9,7 @@ stage, Float16Module for bf16, DDP per chunk (bucketing only on the first chunk)
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.gpt import GPT
 from models.shape import ModelShape
 from training.config.schema import Config
-from training.engine import bridge
+from training.engine import bridge, init
 from training.parallel.wrap import wrap
 from training.shims import upstream_fixes
 
@@ -39,23 +40,26 @@ class TrainState:
 
 
 def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, device: torch.device,
-                 make_model=GPT) -> list[torch.nn.Module]:
+                 make_model=GPT, seed: int = 1234) -> list[torch.nn.Module]:
     """This rank's model chunk(s), one per virtual pipeline stage: pre_process / post_process from its
-    pipeline position. make_model(config, shape, pre_process=, post_process=, vp_stage=) builds one."""
+    pipeline position. make_model(config, shape, pre_process=, post_process=, vp_stage=) builds one. Weights
+    are drawn by name from the seed (training/engine/init.py): the same model at every layout."""
     chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        model = make_model(config, shape,
-                           pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                           post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                           vp_stage=stage)
+    with init.recording(config) if config.perform_initialization else contextlib.nullcontext() as recorded:
+        for vp_stage in range(vpp or 1):
+            stage = vp_stage if vpp else None
+            chunks.append(make_model(
+                config, shape, vp_stage=stage,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)))
+    if recorded is not None:
+        init.initialize(chunks, recorded, seed)
+    for index, model in enumerate(chunks):
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         upstream_fixes.mark_expert_params(model)  # the same optimizer layout at every EP size
         model.to(device)
-        if config.bf16:
-            model = Float16Module(config, model)
-        chunks.append(model)
+        chunks[index] = Float16Module(config, model) if config.bf16 else model
     return chunks
 
 
@@ -71,7 +75,7 @@ def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = 
     prepare(chunks) runs on the bare chunks before DDP / FSDP takes them (tests load weights there)."""
     config = bridge.transformer_config(cfg, shape)
     config.perform_initialization = init
-    chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model)
+    chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model, cfg.train.seed)
     if prepare is not None:
         prepare(chunks)
     if not train:

@@ -1,0 +1,65 @@
+"""The same seed gives the same model, and the whole training step, at every layout.
+
+Every case starts from its own initialisation (no weights are loaded: training/engine/init.py draws each
+weight by name) and runs 3 full steps (forward, backward, gradient reduction, clipping, the optimizer and the
+schedule) and a 4th forward/backward, with clipping active (the global norm is above optim.clip_grad every
+step) and Adam's eps raised so that the update stays proportional to the gradient (a gradient off by a factor
+would otherwise be normalised away). Compared with one process, max|diff| / max|ref| per tensor: the initial
+weights (exactly), the losses and grad norms of every step, the weights after 3 updates, the last gradients.
+"""
+
+import pytest
+from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
+
+RTOL = 1e-5
+STEPS = 4  # 3 updates, then the gradients of a 4th step
+WHOLE_STEP = ["optim.clip_grad=0.05", "optim.adam_eps=1e-4", "optim.lr=1e-2", "optim.warmup_iters=0",
+              "optim.weight_decay=0.1"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.dispatcher=alltoall"]
+MODELS = {"dense": WHOLE_STEP, "moe": [*WHOLE_STEP, *MOE]}
+# case -> (model, layout overrides, processes)
+CASES = {
+    "tp2": ("dense", ["parallel.tp=2"], 2),
+    "pp2": ("dense", ["parallel.pp=2"], 2),
+    "cp2": ("dense", ["parallel.cp=2"], 2),
+    "dp2-distopt": ("dense", ["train.micro_batch_size=1", "parallel.dist_opt=true",
+                              "parallel.overlap_grad_reduce=true"], 2),
+    "dp2-zero3": ("dense", ["parallel.fsdp=optim_grads_params"], 2),
+    "ep2": ("moe", ["parallel.ep=2"], 2),
+    "tp2-pp2-vpp2": ("dense", ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1"], 4),
+}
+BATCH = make_batch(global_batch=4, seq=16)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    refs = dict(zip(MODELS, run_layouts([(model_overrides(*o), None, STEPS, False) for o in MODELS.values()], 1,
+                                        BATCH)))
+    cases = {}
+    for world in sorted({w for _, _, w in CASES.values()}):
+        names = [n for n, (_, _, w) in CASES.items() if w == world]
+        specs = [(model_overrides(*MODELS[CASES[n][0]], *CASES[n][1]), None, STEPS, False) for n in names]
+        cases.update(zip(names, run_layouts(specs, world, BATCH)))
+    return refs, cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_fresh_layout_trains_the_single_process_model(case, runs):
+    refs, cases = runs
+    ref, out = refs[CASES[case][0]], cases[case]
+    for result in (ref, out):
+        if isinstance(result, Exception):
+            raise result
+    assert all(norm > 0.05 for norm in ref["grad_norms"]), f"clipping must be active: {ref['grad_norms']}"
+    bad_init = [n for n, w in ref["params_before"].items() if max_rel_diff(out["params_before"][n], w) != 0]
+    assert not bad_init, f"initial weights differ from one process's (same seed): {bad_init}"
+    assert out["losses"] == pytest.approx(ref["losses"], rel=RTOL)
+    assert out["grad_norms"] == pytest.approx(ref["grad_norms"], rel=RTOL)
+    moved = {n: max_rel_diff(w, ref["params_before"][n]) for n, w in ref["params"].items()}
+    assert min(moved.values()) > 1e-4, "every weight must have moved"
+    bad = {n: d for n, w in ref["params"].items() if (d := max_rel_diff(out["params"][n], w)) > RTOL}
+    assert not bad, f"weights after the updates differ: {bad}"
+    if out["grads"]:  # the distributed optimizer keeps only its shard of the gradients
+        bad = {n: d for n, g in ref["grads"].items() if (d := max_rel_diff(out["grads"][n], g)) > RTOL}
+        assert not bad, f"gradients of the last step differ: {bad}"
