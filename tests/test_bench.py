@@ -232,7 +232,7 @@ def test_layout_names_parse_to_processes_and_overrides():
     from training.bench.layouts import parse
     from training.errors import ConfigError
 
-    assert parse("tp1") == (1, ["parallel.tp=1"]) and parse("single") == (1, [])
+    assert parse("tp1") == (1, []) and parse("single") == (1, [])  # training/parallel/layout.py's names
     assert parse("dp2") == (2, [])
     assert parse("tp2pp2dp2distopt") == (8, ["parallel.tp=2", "parallel.pp=2", "parallel.dist_opt=true"])
     assert parse("tp2sp") == (2, ["parallel.tp=2", "parallel.sp=true"])
