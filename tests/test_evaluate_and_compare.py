@@ -68,3 +68,35 @@ def test_compare_runs_draws_and_asserts(trained, tmp_path):
     missing = subprocess.run([sys.executable, "tools/compare_runs.py", str(tmp_path / "nowhere")], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "no metrics.jsonl" in missing.stderr
+
+
+def _metrics(path: Path, losses: dict[int, float]) -> str:
+    path.write_text("".join(json.dumps({"iteration": i, "loss": loss, "lr": 1e-3}) + "\n" for i, loss in losses.items()))
+    return str(path)
+
+
+def test_compare_runs_assert_close_at_its_tolerance(tmp_path, monkeypatch, capsys):
+    """--assert-close RTOL fails on a relative loss difference of more than RTOL (from the first run's loss), at
+    any shared iteration, either sign; exactly RTOL passes. RTOL = 2^-10 and losses 8, 4, 2: exact in binary."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import compare_runs
+
+    rtol = 2.0 ** -10
+    first = _metrics(tmp_path / "a.jsonl", {1: 8.0, 2: 4.0, 3: 2.0})
+
+    def compare(losses: dict[int, float]) -> tuple[int, str]:
+        second = _metrics(tmp_path / "b.jsonl", losses)
+        code = compare_runs.main([first, second, "--labels", "a,b", "--out", str(tmp_path / "c.png"),
+                                  "--assert-close", repr(rtol)])
+        return code, capsys.readouterr().out
+
+    under = {1: 8.0 * (1 + 0.9 * rtol), 2: 4.0 * (1 - 0.9 * rtol), 3: 2.0 * (1 + 0.99 * rtol)}
+    assert compare(under) == (0, f"wrote {tmp_path / 'c.png'} (2 runs)\n"
+                                 f"max relative loss difference 9.668e-04 (tolerance {rtol:g}): ok\n")
+    code, out = compare({1: 8.0, 2: 4.0 * (1 + rtol), 3: 2.0})  # exactly the tolerance: 4.00390625
+    assert code == 0 and "ok" in out, out
+    for sign in (1, -1):  # just over, at the last iteration only
+        code, out = compare({**under, 3: 2.0 * (1 + sign * 1.01 * rtol)})
+        assert code == 1, out
+        assert f"max relative loss difference 9.863e-04 (tolerance {rtol:g}): FAILED; b vs a at iteration 3: " \
+               f"{2.0 * (1 + sign * 1.01 * rtol):.6f} vs 2.000000" in out, out

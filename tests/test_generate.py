@@ -125,3 +125,65 @@ def test_kv_cache_logits_equal_full_recompute():
             assert torch.equal(real, torch.isfinite(a))
             diff = ((a[real] - b[real]).abs().max() / b[real].abs().max()).item()
             assert diff <= 1e-5, (name, step, diff)
+
+
+# ---- sampling filters (training/interop/generation.py sample): empirical frequencies of many draws ----------
+# One row per draw: sample() takes one uniform per row, so N identical rows are N independent draws.
+PROBS = [0.1, 0.4, 0.04, 0.25, 0.06, 0.15]  # by token id; sorted: 1 (.4), 3 (.25), 5 (.15), 0 (.1), 4, 2
+DRAWS = 20000  # a frequency's standard deviation <= 0.0036: the 0.015 tolerance is > 4 of them
+
+
+def _frequencies(probs: list[float], **sampling) -> torch.Tensor:
+    from training.interop.generation import Sampling, sample
+
+    logits = torch.tensor(probs, dtype=torch.float64).log().float().expand(DRAWS, -1)
+    ids = sample(logits, Sampling(greedy=False, **sampling), torch.Generator().manual_seed(0))
+    return torch.bincount(ids, minlength=len(probs)).double() / DRAWS
+
+
+def _expected(probs: list[float], kept: set[int], power: float = 1.0) -> torch.Tensor:
+    weights = torch.tensor([p ** power if i in kept else 0.0 for i, p in enumerate(probs)], dtype=torch.float64)
+    return weights / weights.sum()
+
+
+def _support(frequencies: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(frequencies).flatten().tolist())
+
+
+@pytest.mark.parametrize("k, kept", [(1, {1}), (3, {1, 3, 5}), (5, {1, 3, 5, 0, 4}), (0, set(range(6)))])
+def test_top_k_keeps_exactly_the_k_most_likely(k, kept):
+    freq = _frequencies(PROBS, top_k=k)
+    assert _support(freq) == kept, freq
+    assert torch.allclose(freq, _expected(PROBS, kept), atol=0.015), freq  # renormalised over the kept tokens
+
+
+@pytest.mark.parametrize("p, kept", [(0.3, {1}), (0.4 + 1e-6, {1, 3}), (0.7, {1, 3, 5}), (0.8 + 1e-6, {1, 3, 5, 0}),
+                                     (1.0, set(range(6)))])
+def test_top_p_keeps_the_smallest_set_reaching_p(p, kept):
+    freq = _frequencies(PROBS, top_p=p)
+    assert _support(freq) == kept, (p, freq)
+    assert torch.allclose(freq, _expected(PROBS, kept), atol=0.015), (p, freq)
+
+
+@pytest.mark.parametrize("p, size", [(0.25, 1), (0.5, 2), (0.75, 3), (0.5 + 1e-9, 3)])
+def test_top_p_boundary_a_set_with_mass_exactly_p_is_enough(p, size):
+    """Four equal logits: probabilities exactly 1/4, so the masses 1/4, 1/2, 3/4 are exact in float64."""
+    freq = _frequencies([1.0, 1.0, 1.0, 1.0, 0.0], top_p=p)  # log(0) = -inf: never drawn
+    assert len(_support(freq)) == size and 4 not in _support(freq), (p, freq)
+    assert torch.allclose(freq[freq > 0], torch.full((size,), 1 / size, dtype=torch.float64), atol=0.015), freq
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_sharpens_below_one_and_flattens_above(temperature):
+    """softmax(log p / T) = p^(1/T), renormalised: the most likely token's 0.40 becomes 0.61 at T = 0.5, 0.28 at 2."""
+    freq = _frequencies(PROBS, temperature=temperature)
+    assert torch.allclose(freq, _expected(PROBS, set(range(6)), 1 / temperature), atol=0.015), freq
+
+
+def test_greedy_takes_the_most_likely_token_lowest_id_on_ties():
+    from training.interop.generation import Sampling, sample
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, -1.0, 5.0, 5.0]])
+    picks = sample(logits, Sampling(greedy=True, temperature=5.0, top_k=1, top_p=0.1), torch.Generator())
+    assert picks.tolist() == [1, 2]
+    assert (_frequencies(PROBS, temperature=1e-3) == torch.eye(6, dtype=torch.float64)[1]).all()  # T -> 0: greedy
