@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +25,26 @@ BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
         "model.seq_length=16", f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=1",
         "train.micro_batch_size=2", "train.global_batch_size=4", "checkpoint=none", "train.tensorboard=false",
         "optim.warmup_iters=0", "parallel.tp=2"]
+
+
+def skip_without_a_gpu_per_rank(ranks: int) -> None:
+    """With CUDA, rank r computes on GPU r (training/parallel/dist.py select_device): with fewer GPUs than ranks
+    the run stops at its LOCAL_RANK check and tests nothing. Without CUDA every rank runs on the CPU (gloo)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs (one per rank), {torch.cuda.device_count()} visible")
+
+
+def test_a_test_with_more_ranks_than_gpus_is_skipped_naming_the_count(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    skip_without_a_gpu_per_rank(1)  # one rank, one GPU: runs
+    with pytest.raises(pytest.skip.Exception, match=r"^needs 2 GPUs \(one per rank\), 1 visible$"):
+        skip_without_a_gpu_per_rank(2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    skip_without_a_gpu_per_rank(2)  # no CUDA: the ranks share the CPU
+
+
 MODELS = {
     # GQA (4 heads / 2 groups), SwiGLU, RMSNorm, RoPE, tied embeddings, no biases
     "llama": ["model.num_query_groups=2"],
@@ -63,6 +84,7 @@ def _both_models(models: dict) -> dict:
 
 
 def test_mcore_gptmodel_computes_the_same_loss_and_update_from_the_same_weights():
+    skip_without_a_gpu_per_rank(2)  # tp=2
     results = run_distributed(_both_models, world_size=2, args=(MODELS,), timeout=120)
     assert results[0] == results[1], "TP ranks disagree"
     for name, r in results[0].items():
@@ -216,6 +238,7 @@ BF16_RTOL = 1e-2  # two implementations of the same bf16 model: rounding differs
 def test_gpu_bf16_same_loss_as_mcore_and_timings(spec):
     if spec == "te" and importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("Transformer Engine is not installed")
+    skip_without_a_gpu_per_rank(1)  # tools/bench.py's default --nproc 1
     proc = subprocess.run(
         [sys.executable, "tools/bench.py", "--compare-mcore", "--json", "--warmup", "2", "--steps", "3",
          "--windows", "2", "train.precision=bf16", "model.hidden_size=256", "model.ffn_hidden_size=704",
@@ -243,6 +266,7 @@ def test_layout_names_parse_to_processes_and_overrides():
 
 
 def test_bench_layouts_table_measures_memory_activations_and_communication():
+    skip_without_a_gpu_per_rank(2)  # the tp2 row's 2 processes
     proc = subprocess.run(
         [sys.executable, "tools/bench.py", "--layouts", "tp1,tp2", "--json", "--warmup", "1", "--windows", "2",
          "--threads", "1", "model.num_layers=2", "model.seq_length=32", "train.micro_batch_size=2",

@@ -113,8 +113,8 @@ def test_reshard_distopt_tp2_dp2_keeps_adam_state_and_losses(target, uninterrupt
         assert loss == pytest.approx(full[i], rel=1e-5), (i, loss, full[i])
 
 
-def _launch(tmp_path: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
-    env = dict(os.environ, NPROC=str(nproc), RUN_DIR=str(tmp_path / "run"))
+def _launch(tmp_path: Path, *overrides: str, nproc: int = 2, **extra_env: str) -> subprocess.Popen:
+    env = dict(os.environ, NPROC=str(nproc), RUN_DIR=str(tmp_path / "run"), **extra_env)
     return subprocess.Popen(["launch/train.sh", *QUICK, *overrides], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -152,20 +152,72 @@ def test_sigterm_mid_run_saves_and_exits_zero(tmp_path):
     assert latest == f"iter_{stopped_at:07d}"
 
 
+# A sitecustomize.py for the workers: rank 1's second save writes its shards, then announces itself in
+# $SAVE_HANG_MARKER ("<pid> <iter dir>") and stays inside the save until it is killed.
+SAVE_HANG = """
+import importlib.abc, importlib.util, os, sys, time
+
+
+class WrapSave(importlib.abc.MetaPathFinder):  # wraps training.checkpoint.torch_dist.save once it is imported
+    def find_spec(self, name, path=None, target=None):
+        if name != "training.checkpoint.torch_dist":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            real, calls = module.save, []
+
+            def save(cfg, state, path, *args):
+                real(cfg, state, path, *args)  # this rank's shards and the metadata are on disk, run.json is not
+                calls.append(path)
+                if len(calls) == 2 and os.environ["RANK"] == "1":
+                    marker = os.environ["SAVE_HANG_MARKER"]
+                    with open(marker + ".tmp", "w") as f:
+                        f.write(f"{os.getpid()} {path}")
+                    os.replace(marker + ".tmp", marker)
+                    time.sleep(600)
+
+            module.save = save
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, WrapSave())
+"""
+
+
 def test_sigkill_during_a_save_leaves_latest_loadable(tmp_path):
-    launcher = _launch(tmp_path, "train.iters=100000", "train.save_interval=1", "checkpoint.keep=2")
-    ckpts = tmp_path / "run" / "checkpoints"
+    hook, marker, ckpts = tmp_path / "hook", tmp_path / "rank1_in_save", tmp_path / "run" / "checkpoints"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SAVE_HANG)
+    pythonpath = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    launcher = _launch(tmp_path, "train.iters=100000", "train.save_interval=1", "checkpoint.keep=2",
+                       PYTHONPATH=pythonpath, SAVE_HANG_MARKER=str(marker))
+    try:
+        _wait_for(marker.exists, 300, "rank 1 inside its second save")
+        pid, partial = marker.read_text().split(" ", 1)
+        assert int(pid) in _workers(launcher)
+        partial = Path(partial)
+        # the save has started and not finished: shards on disk, no completion marker, latest the save before
+        assert partial == ckpts / "iter_0000002" and any(partial.glob("*.distcp")), list(partial.iterdir())
+        assert not (partial / "run.json").exists()
+        assert (ckpts / "latest").read_text().strip() == "iter_0000001"
+        os.kill(int(pid), signal.SIGKILL)  # one rank dies mid-save
+        launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:  # a failed check above: torchrun and the workers must not train on
+            import psutil
 
-    def save_in_progress():
-        return (ckpts / "latest").exists() and any(
-            d.is_dir() and not (d / "run.json").exists() for d in ckpts.glob("iter_*"))
-
-    _wait_for(save_in_progress, 300, "a save in progress after a first complete checkpoint")
-    os.kill(max(_workers(launcher)), signal.SIGKILL)  # one rank dies mid-save
-    launcher.communicate(timeout=240)
+            for process in [*psutil.Process(launcher.pid).children(recursive=True), psutil.Process(launcher.pid)]:
+                process.kill()
     assert launcher.returncode != 0
+    assert partial.is_dir() and not (partial / "run.json").exists(), "the interrupted save must never complete"
     latest = ckpts / (ckpts / "latest").read_text().strip()
-    assert (latest / "run.json").exists(), "latest must name a complete checkpoint"
+    assert latest == ckpts / "iter_0000001" and (latest / "run.json").exists(), "latest must name a complete checkpoint"
 
     # ... and it loads: a resumed run (auto) starts right after it.
     iteration = json.loads((latest / "run.json").read_text())["iteration"]

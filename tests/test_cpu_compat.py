@@ -133,7 +133,10 @@ OPTIMIZER_CASES = {
 }
 
 
-COMMON = ["model.num_layers=2", "optim.clip_grad=1.0", "optim.warmup_iters=0"]
+# Clipping at 1e9 computes the grad norm and never rescales (a doubled gradient would be clipped back to the
+# same norm on both sides); Adam's eps 1e-4 keeps the update proportional to the gradient where it is small
+# (with 1e-8 Adam divides any scale away), so a wrongly scaled gradient also moves the weights differently.
+COMMON = ["model.num_layers=2", "optim.clip_grad=1e9", "optim.adam_eps=1e-4", "optim.warmup_iters=0"]
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +161,14 @@ def test_ddp_and_optimizer_match_one_process(case, optimizer_runs):
             raise result
     assert out["losses"] == pytest.approx(ref["losses"], rel=tol), (out["losses"], ref["losses"])
     assert out["losses"][2] < out["losses"][0], "the optimizer must actually train"
+    # what the optimizer saw: the global norm of the DP-reduced gradients (the distributed optimizer's over its shards)
+    assert len(out["grad_norms"]) == 2 and None not in out["grad_norms"]
+    assert out["grad_norms"] == pytest.approx(ref["grad_norms"], rel=tol), (out["grad_norms"], ref["grad_norms"])
+    # the last step's DP-reduced main_grad, whole on every rank without the distributed optimizer (it keeps shards)
+    sharded = any("dist_opt" in e or "distopt" in e for e in extra)
+    assert set(out["grads"]) == (set() if sharded else set(ref["grads"])), case
+    for name, grad in out["grads"].items():
+        assert max_rel_diff(grad, ref["grads"][name]) <= tol, f"{name}: gradient differs from one process"
     for name, param in ref["params"].items():
         assert max_rel_diff(out["params"][name], param) <= tol, name
 

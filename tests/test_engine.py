@@ -4,7 +4,7 @@ import json
 
 import pytest
 from harness import run_distributed
-from runs import QUICK, _train, train_catching
+from runs import QUICK, _train, assert_only_skipped_steps_leave_everything, train_catching, train_watching_steps
 
 # A learning rate this large without clipping blows the weights up within a few steps.
 EXPLODE = ["optim.lr=1e6", "optim.min_lr=0", "optim.warmup_iters=0", "optim.clip_grad=0", "train.iters=8",
@@ -20,13 +20,15 @@ def test_nan_loss_stops_with_a_clear_message(tmp_path):
 
 
 def test_nan_loss_is_skipped_by_policy(tmp_path):
-    (result,) = run_distributed(train_catching, 1, (QUICK + EXPLODE + ["train.nan_policy=skip"], str(tmp_path)),
-                                timeout=300)
+    ((result, steps),) = run_distributed(train_watching_steps, 1,
+                                         (QUICK + EXPLODE + ["train.nan_policy=skip"], str(tmp_path)), timeout=300)
     assert result == "finished"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["iteration"] == 8 and records[-1]["skipped"] >= 1
     skipped_steps = [r for r in records if r["grad_norm"] is None]
     assert skipped_steps, "a skipped step logs no gradient norm (no update happened)"
+    assert [s["skipped"] for s in steps] == [r["grad_norm"] is None for r in records]
+    assert_only_skipped_steps_leave_everything(steps)
 
 
 def test_profiler_writes_a_trace_of_the_window(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from harness import run_distributed
-from runs import QUICK, losses, train_catching
+from runs import QUICK, assert_only_skipped_steps_leave_everything, losses, train_catching, train_watching_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = ["model.mlp=blocks:FaultyMLP"]
@@ -104,8 +104,9 @@ NAN = FAULTY + ["train.iters=6", "train.save_interval=2", "checkpoint.keep=0"]
 def test_a_nan_gradient_on_one_rank_never_reaches_the_weights(policy, tmp_path, monkeypatch):
     monkeypatch.setenv("FAULT", "nan")
     monkeypatch.setenv("FAULT_AT", IN_STEP_4)
-    results = run_distributed(train_catching, 2, (QUICK + NAN + [f"train.nan_policy={policy}"], str(tmp_path)),
-                              timeout=300)
+    ranks = run_distributed(train_watching_steps, 2, (QUICK + NAN + [f"train.nan_policy={policy}"], str(tmp_path)),
+                            timeout=300)
+    results = [result for result, _ in ranks]
     checkpoints = tmp_path / "checkpoints"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     if policy == "stop":
@@ -119,6 +120,9 @@ def test_a_nan_gradient_on_one_rank_never_reaches_the_weights(policy, tmp_path, 
         assert results == ["finished", "finished"]
         assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
         assert records[3]["grad_norm"] is None and records[3]["skipped"] == 1  # step 4: no update anywhere
+        for _, steps in ranks:  # step 4 leaves the weights, Adam's state and the lr schedule bit-identical
+            assert [s["skipped"] for s in steps] == [False, False, False, True, False, False]
+            assert_only_skipped_steps_leave_everything(steps)
         assert all(r["grad_norm"] is not None and r["grad_norm"] == r["grad_norm"] for i, r in enumerate(records)
                    if i != 3)
         assert all(0 < r["loss"] < 10 for r in records)  # finite: the weights never took the NaN

@@ -24,7 +24,7 @@ from runs import QUICK, train, train_catching
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL, BF16_RTOL, STEPS = 1e-5, 1e-3, 4
-NO_WARMUP = ["optim.warmup_iters=0", "train.micro_batch_size=1"]
+NO_WARMUP = ["optim.warmup_iters=0", "train.micro_batch_size=1", "optim.adam_eps=1e-4"]  # eps: the update follows the gradient
 TP2_SP = ["parallel.tp=2", "parallel.sp=true"]
 CASES = {  # name: (overrides, processes, the DDP layout whose parameters it must equal, or None: one process's)
     "zero3-dp2": (["parallel.fsdp=optim_grads_params"], 2, None),

@@ -6,6 +6,7 @@ requeues, and the requeued job resumes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -142,10 +143,13 @@ def test_slurm_pre_timeout_signal_checkpoints_requeues_and_resumes(tmp_path):
     assert (tmp_path / f"run/checkpoints/iter_{stopped:07d}").is_dir()
     assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"
 
-    requeued = subprocess.run([*job, f"train.iters={stopped}"], env=env, capture_output=True, text=True,
-                              timeout=300)
+    requeued = subprocess.run([*job, f"train.iters={stopped + 1}"], env=env, capture_output=True, text=True,
+                              timeout=300)  # one more step than the first job reached: it must train it
     assert requeued.returncode == 0, requeued.stdout + requeued.stderr
     assert f"start at iteration {stopped} " in requeued.stdout
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["iteration"] == stopped + 1 and 0 < records[-1]["loss"] < 20, records[-3:]
+    assert (tmp_path / f"run/checkpoints/iter_{stopped + 1:07d}").is_dir()  # its end-of-run save
     assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"  # finished: no second requeue
 
 
