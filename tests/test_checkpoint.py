@@ -152,48 +152,9 @@ def test_sigterm_mid_run_saves_and_exits_zero(tmp_path):
     assert latest == f"iter_{stopped_at:07d}"
 
 
-# A sitecustomize.py for the workers: rank 1's second save writes its shards, then announces itself in
-# $SAVE_HANG_MARKER ("<pid> <iter dir>") and stays inside the save until it is killed.
-SAVE_HANG = """
-import importlib.abc, importlib.util, os, sys, time
-
-
-class WrapSave(importlib.abc.MetaPathFinder):  # wraps training.checkpoint.torch_dist.save once it is imported
-    def find_spec(self, name, path=None, target=None):
-        if name != "training.checkpoint.torch_dist":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            real, calls = module.save, []
-
-            def save(cfg, state, path, *args):
-                real(cfg, state, path, *args)  # this rank's shards and the metadata are on disk, run.json is not
-                calls.append(path)
-                if len(calls) == 2 and os.environ["RANK"] == "1":
-                    marker = os.environ["SAVE_HANG_MARKER"]
-                    with open(marker + ".tmp", "w") as f:
-                        f.write(f"{os.getpid()} {path}")
-                    os.replace(marker + ".tmp", marker)
-                    time.sleep(600)
-
-            module.save = save
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, WrapSave())
-"""
-
-
 def test_sigkill_during_a_save_leaves_latest_loadable(tmp_path):
-    hook, marker, ckpts = tmp_path / "hook", tmp_path / "rank1_in_save", tmp_path / "run" / "checkpoints"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SAVE_HANG)
+    hook = ROOT / "tests" / "fixtures" / "save_hang"  # its sitecustomize.py holds rank 1 inside its second save
+    marker, ckpts = tmp_path / "rank1_in_save", tmp_path / "run" / "checkpoints"
     pythonpath = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     launcher = _launch(tmp_path, "train.iters=100000", "train.save_interval=1", "checkpoint.keep=2",
                        PYTHONPATH=pythonpath, SAVE_HANG_MARKER=str(marker))

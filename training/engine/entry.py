@@ -1,0 +1,42 @@
+"""What train.py runs on every rank: the composed config -> the typed config -> validation -> the loop.
+
+    precheck(sys.argv[1:])    # before @hydra.main: a value the schema refuses is one line (Hydra prints several)
+    start(composed)           # inside @hydra.main: paths, validation, the resolved config, then training/engine/loop.py
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from training.config.schema import to_config
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose as @hydra.main will, so that a value the schema refuses is one line (Hydra prints several)."""
+    from training.config.compose import compose
+
+    compose([arg for arg in argv if not arg.startswith("-")])
+
+
+def start(composed) -> None:
+    """Validate once, before any process group (exit 2 with one line per problem), then train."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from training.config.validate import validate
+    from training.engine.loop import run
+    from training.parallel.dist import single_process_env
+
+    cfg = to_config(composed)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.checkpoint.dir is not None and not os.path.isabs(cfg.checkpoint.dir):
+        cfg.checkpoint.dir = str(run_dir / cfg.checkpoint.dir)  # relative: inside the run dir
+    layout = validate(cfg)
+    single_process_env()
+    if os.environ.get("RANK", "0") == "0":
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        (run_dir / "config.yaml").write_text(resolved)
+        print(f"run dir: {run_dir}\n{resolved}", flush=True)
+    run(cfg, layout, run_dir)
