@@ -1,10 +1,13 @@
-"""Causal self-attention: fused QKV ColumnParallelLinear -> RoPE -> SDPA -> RowParallelLinear.
+"""Causal self-attention: fused QKV ColumnParallelLinear -> (QK-norm) -> RoPE -> SDPA -> RowParallelLinear.
 (Context parallel, parallel.cp > 1: the SDPA core gathers K and V over the CP group, models/context_parallel.py.)
 
 Heads are split across TP ranks. With grouped-query attention (`num_query_groups` = ng < np heads) the
 fused QKV weight is laid out per query group, as in Megatron-Core:
     [ng, (np/ng) * hn (q) + hn (k) + hn (v), h]
 so a contiguous TP shard of its rows holds whole groups: ng/tp groups, np/tp query heads.
+Options: biases on q, k and v only (`add_qkv_bias`, Qwen2); QK-norm (`qk_layernorm`, Qwen3): one norm over hn
+for every query head and one for every key head, weights [hn] replicated on the TP ranks (each rank's heads
+give a partial gradient: Megatron-Core's finalize_model_grads sums `q_layernorm` / `k_layernorm` over TP).
 """
 
 import torch
@@ -19,6 +22,7 @@ from models.context_parallel import AllGatherKVAttention
 from models.core_attention import CoreAttention
 from models.kv_cache import KVCache
 from models.linear import ColumnParallelLinear, RowParallelLinear
+from models.norm import Norm
 from models.shape import ModelShape, Split
 
 
@@ -71,6 +75,9 @@ class SelfAttention(MegatronModule):
             config.hidden_size, qkv_size, config=config, init_method=config.init_method,
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
         )
+        # QK-norm (Qwen3): the names are the ones finalize_model_grads looks for
+        self.q_layernorm = Norm(config, size=self.head_dim) if config.qk_layernorm else None
+        self.k_layernorm = Norm(config, size=self.head_dim) if config.qk_layernorm else None
         self.core_attention = CoreAttention(config) if config.context_parallel_size == 1 else \
             AllGatherKVAttention(config)  # parallel.cp > 1: K/V all-gathered over the CP group
         self.selective_recompute = config.recompute_granularity == "selective"
@@ -90,6 +97,8 @@ class SelfAttention(MegatronModule):
         q, k, v = torch.split(qkv, [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim],
                               dim=-1)  # [s, b, ng/tp, (np/ng)*hn], [s, b, ng/tp, hn] x 2
         q = q.reshape(s, b, -1, self.head_dim)  # [s, b, np/tp, hn]
+        if self.q_layernorm is not None:  # each head over hn, before RoPE (and before the KV cache stores k)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_freqs is not None:  # [s, 1, 1, hn]
             q, k = self._rope(q, k, rotary_freqs)
         if cache is not None:  # attend to every cached position too: k, v [length + s, b, ng/tp, hn]
@@ -114,9 +123,9 @@ class SelfAttention(MegatronModule):
     @staticmethod
     def num_params(shape: ModelShape, split: Split) -> int:
         h, q, kv = shape.hidden_size, shape.q_width, shape.kv_width
-        bias = shape.add_bias_linear
-        sharded = h * (q + 2 * kv) + q * h + (q + 2 * kv if bias else 0)  # qkv and proj weights, qkv bias
-        return sharded // split.tp + (h if bias else 0)  # RowParallelLinear's bias is replicated
+        sharded = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.qkv_bias else 0)  # qkv and proj weights, qkv bias
+        norms = 2 * shape.kv_channels * (2 if shape.normalization == "LayerNorm" else 1) if shape.qk_norm else 0
+        return sharded // split.tp + (h if shape.add_bias_linear else 0) + norms  # proj bias, QK-norms: replicated
 
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:
@@ -127,41 +136,48 @@ class SelfAttention(MegatronModule):
     @staticmethod
     def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:
         """linear_qkv's input; the Q, K and V the attention core keeps and its output (linear_proj's input is a
-        view of it); under CP the gathered K and V (CP's causal mask is one tensor for all layers: the estimate
-        counts it once a stage); without flash attention the s x s scores (Korthikanti et al. 2022's unfused
-        core attention; not measured here)."""
+        view of it); QK-norm's inputs (Q regrouped into heads is a copy); under CP the gathered K and V (CP's
+        causal mask is one tensor for all layers: the estimate counts it once a stage); without flash attention
+        the s x s scores (Korthikanti et al. 2022's unfused core attention; not measured here)."""
         e, b, s, t = act.bytes, act.micro_batch, act.seq, split.tp
         q, kv, full = shape.q_width, shape.kv_width, act.seq * act.cp  # full: K/V length after the CP gather
         rope = shape.position_embedding == "rope"
         gathered = act.cp > 1 and act.recompute == "none"  # selective recomputes the gather in backward
-        q_view = not rope and shape.heads_per_group == 1  # else a rotated copy, or regrouped into heads (a copy)
+        # Q is a view of QKV's output unless rotated, normalised (QK-norm) or regrouped into heads (copies)
+        q_view = not rope and not shape.qk_norm and shape.heads_per_group == 1
         width = q + (0 if q_view else q)  # the core's output; Q
         if gathered:  # K and V at full length [cp*s, b, ng/tp, hn]; the local K and V are not kept
             width += 2 * kv * act.cp
-        elif rope:  # the rotated K
+        elif rope or shape.qk_norm:  # the rotated (or normalised) K
             width += kv
-        if q_view or not gathered:  # V (and Q, K without RoPE) are views of QKV's output: all of it stays
-            width += q + 2 * kv
+        if q_view or not gathered or shape.qk_norm:  # V (Q, K without RoPE; QK-norm's inputs) are views of
+            width += q + 2 * kv  # QKV's output: all of it stays
+        if shape.qk_norm and shape.heads_per_group > 1:  # QK-norm keeps its input Q: regrouped into heads, a copy
+            width += q
         out = e * b * s * shape.hidden_size / act.seq_split(split) + e * b * s * width / t
         if not act.flash and act.recompute == "none":  # softmax output (+ dropout mask and output) [b, np/tp, s, s]
             dropout = 1 + e if act.attention_dropout else 0
             out += (e + dropout) * shape.num_attention_heads * b * s * full / t
         return out
 
-    # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `self_attn.{q,k,v,o}_proj` -------
+    # ---- Hugging Face interop (Llama, Qwen2, Qwen3): this block's weights <-> HF's `self_attn.*` -------------
     # HF keeps q_proj [np*hn, h] and k_proj, v_proj [ng*hn, h] apart; our full (tp=1) linear_qkv interleaves them
     # per query group, [ng, (np/ng)*hn q | hn k | hn v] rows (module docstring). HF's q/k rows are already in the
-    # rotate_half order of Megatron-Core's non-interleaved RoPE (ours): no permutation. Biases (HF
-    # attention_bias: q, k, v and o) follow the same layout. `get` reads a tensor by name relative to the block.
+    # rotate_half order of Megatron-Core's non-interleaved RoPE (ours): no permutation. Biases follow the same
+    # layout: q, k, v's with add_qkv_bias (Qwen2) or add_bias_linear (Llama's attention_bias, also o's). QK-norm:
+    # HF's q_norm / k_norm [hn] are our q_layernorm / k_layernorm. `get` reads a tensor by name relative to the block.
     @staticmethod
     def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
         ng = config.num_query_groups
         out = {}
-        for kind in _hf_kinds(config):
+        for kind in _hf_kinds(config, qkv=True):
             q, k, v = (get(f"{n}_proj.{kind}") for n in "qkv")  # [np*hn, ...], [ng*hn, ...] x 2
             grouped = [t.reshape(ng, -1, *t.shape[1:]) for t in (q, k, v)]  # [ng, rows per group, ...]
             out[f"linear_qkv.{kind}"] = torch.cat(grouped, dim=1).flatten(0, 1)  # [ng*(np/ng+2)*hn, ...]
+        for kind in _hf_kinds(config, qkv=False):
             out[f"linear_proj.{kind}"] = get(f"o_proj.{kind}")
+        for ours, hf in _QK_NORMS if config.qk_layernorm else ():
+            out.update({f"{ours}.{n}": get(f"{hf}.{n}") for n in _norm_kinds(config)})
         return out
 
     @staticmethod
@@ -169,13 +185,24 @@ class SelfAttention(MegatronModule):
         ng, hn = config.num_query_groups, config.kv_channels
         per_group = divide(config.num_attention_heads, ng) * hn
         out = {}
-        for kind in _hf_kinds(config):
+        for kind in _hf_kinds(config, qkv=True):
             qkv = get(f"linear_qkv.{kind}")
             q, k, v = qkv.reshape(ng, per_group + 2 * hn, *qkv.shape[1:]).split([per_group, hn, hn], dim=1)
             out[f"q_proj.{kind}"], out[f"k_proj.{kind}"], out[f"v_proj.{kind}"] = (t.flatten(0, 1) for t in (q, k, v))
+        for kind in _hf_kinds(config, qkv=False):
             out[f"o_proj.{kind}"] = get(f"linear_proj.{kind}")
+        for ours, hf in _QK_NORMS if config.qk_layernorm else ():
+            out.update({f"{hf}.{n}": get(f"{ours}.{n}") for n in _norm_kinds(config)})
         return out
 
 
-def _hf_kinds(config: TransformerConfig) -> tuple[str, ...]:
-    return ("weight", "bias") if config.add_bias_linear else ("weight",)
+_QK_NORMS = (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))
+
+
+def _hf_kinds(config: TransformerConfig, qkv: bool) -> tuple[str, ...]:
+    bias = config.add_bias_linear or (qkv and config.add_qkv_bias)
+    return ("weight", "bias") if bias else ("weight",)
+
+
+def _norm_kinds(config: TransformerConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)

@@ -50,6 +50,12 @@ class GPT(LanguageModule):
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent=1.0,
                                                   rotary_base=shape.rotary_base,
                                                   use_cpu_initialization=config.use_cpu_initialization)
+            if (scaling := shape.rope_scaling) is not None:  # Llama 3.x: Megatron-Core's formula, the checkpoint's
+                rope = self.rotary_pos_emb  # parameters (its own rope_scaling flag fixes all but the factor)
+                rope.inv_freq = rope._apply_scaling(
+                    rope.inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+                    high_freq_factor=scaling.high_freq_factor,
+                    original_max_position_embeddings=scaling.original_max_position)  # [hn/2]
         self.decoder = TransformerStack(config, shape, post_process=post_process, vp_stage=vp_stage)
         if post_process:
             self.output_layer = ColumnParallelLinear(
@@ -168,7 +174,7 @@ class _OutputLayerHF:
     to_hf = from_hf
 
 
-def _hf_walk(shape: ModelShape):
+def _hf_walk(shape: ModelShape, config: TransformerConfig):
     """(our prefix, HF prefix, block class with from_hf / to_hf, holds vocab rows) for every block, in order."""
     if shape.position_embedding != "rope":
         raise ValueError("Llama-style models use RoPE (model.position_embedding=rope), not learned positions")
@@ -178,7 +184,8 @@ def _hf_walk(shape: ModelShape):
             if not hasattr(block, "from_hf"):
                 raise ValueError(f"block {block.__module__}.{block.__name__} ({name}) has no Hugging Face "
                                  f"mapping: give it from_hf / to_hf (see models/mlp.py)")
-            hf_name = getattr(block, "hf_name", HF_NAMES[name])  # a MoE MLP is Mixtral's block_sparse_moe
+            hf_name = block.hf_name(config) if hasattr(block, "hf_name") else HF_NAMES[name]  # MoE: Mixtral's
+            # block_sparse_moe or Qwen3-MoE's mlp
             yield f"decoder.layers.{i}.{name}.", f"model.layers.{i}.{hf_name}.", block, False
     yield "decoder.final_layernorm.", "model.norm.", Norm, False
     if not shape.tie_embeddings:
@@ -188,7 +195,7 @@ def _hf_walk(shape: ModelShape):
 def from_hf(get, config: TransformerConfig, shape: ModelShape):
     """Yields (our parameter name, full tensor) from HF tensors read with get(hf name)."""
     rows = shape.padded_vocab(config.tensor_model_parallel_size)
-    for ours, hf, block, vocab_rows in _hf_walk(shape):
+    for ours, hf, block, vocab_rows in _hf_walk(shape, config):
         for name, tensor in block.from_hf(lambda n, hf=hf: get(hf + n), config).items():
             if vocab_rows:  # [V, h] -> [V_padded, h], zero rows (their logits are masked anyway)
                 tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
@@ -197,6 +204,6 @@ def from_hf(get, config: TransformerConfig, shape: ModelShape):
 
 def to_hf(get, config: TransformerConfig, shape: ModelShape):
     """Yields (HF name, full tensor) from our full tensors read with get(our parameter name)."""
-    for ours, hf, block, vocab_rows in _hf_walk(shape):
+    for ours, hf, block, vocab_rows in _hf_walk(shape, config):
         for name, tensor in block.to_hf(lambda n, ours=ours: get(ours + n), config).items():
             yield hf + name, tensor[: shape.vocab_size] if vocab_rows else tensor

@@ -125,28 +125,38 @@ class MoE(MoELayer):
         return e * (tokens * h + copies * (h + expert * shape.moe_ffn_hidden_size / split.etp) +
                     act.tokens * shared / split.tp) + routing
 
-    # ---- Hugging Face interop (Mixtral): this block's weights <-> HF's `block_sparse_moe.*` ----------------------
-    # Mixtral's router is `gate.weight` [E, h]; expert j's w1 (gate), w3 (up) and w2 (down) are Llama's gate/up/down:
-    # our local_experts.j.linear_fc1 = [w1; w3] ([2*ffn, h], as models/mlp.py's SwiGLU), linear_fc2 = w2. The full
-    # (ep=1) model holds every expert. transformers >= 5 keeps the experts fused in memory (mlp.experts.gate_up_proj
-    # [E, 2*ffn, h], down_proj [E, h, ffn]) and converts this, the checkpoints' format, when loading.
-    hf_name = "block_sparse_moe"
+    # ---- Hugging Face interop (Mixtral, Qwen3-MoE): this block's weights <-> HF's MoE block ------------------------
+    # The router is `gate.weight` [E, h]; expert j's gate, up and down projections are Mixtral's w1, w3, w2 (under
+    # `block_sparse_moe`) or Qwen3-MoE's gate_proj, up_proj, down_proj (under `mlp`; Qwen3 is the family with
+    # QK-norm): our local_experts.j.linear_fc1 = [gate; up] ([2*ffn, h], as models/mlp.py's SwiGLU), linear_fc2 =
+    # down. The full (ep=1) model holds every expert. transformers >= 5 keeps the experts fused in memory
+    # (mlp.experts.gate_up_proj [E, 2*ffn, h], down_proj [E, h, ffn]) and converts this, the checkpoints' format.
+    @staticmethod
+    def hf_name(config: TransformerConfig) -> str:
+        return "mlp" if config.qk_layernorm else "block_sparse_moe"
 
     @staticmethod
     def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        gate, up, down = _hf_expert_names(config)
         out = {"router.weight": get("gate.weight")}
         for j in range(config.num_moe_experts):
             ours = f"experts.local_experts.{j}."
-            out[ours + "linear_fc1.weight"] = torch.cat([get(f"experts.{j}.w1.weight"), get(f"experts.{j}.w3.weight")])
-            out[ours + "linear_fc2.weight"] = get(f"experts.{j}.w2.weight")
+            out[ours + "linear_fc1.weight"] = torch.cat([get(f"experts.{j}.{gate}.weight"),
+                                                         get(f"experts.{j}.{up}.weight")])
+            out[ours + "linear_fc2.weight"] = get(f"experts.{j}.{down}.weight")
         return out
 
     @staticmethod
     def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        gate, up, down = _hf_expert_names(config)
         out = {"gate.weight": get("router.weight")}
         for j in range(config.num_moe_experts):
             ours = f"experts.local_experts.{j}."
-            gate, up = torch.chunk(get(ours + "linear_fc1.weight"), 2)  # [ffn, h] each
-            out[f"experts.{j}.w1.weight"], out[f"experts.{j}.w3.weight"] = gate, up
-            out[f"experts.{j}.w2.weight"] = get(ours + "linear_fc2.weight")
+            out[f"experts.{j}.{gate}.weight"], out[f"experts.{j}.{up}.weight"] = torch.chunk(
+                get(ours + "linear_fc1.weight"), 2)  # [ffn, h] each
+            out[f"experts.{j}.{down}.weight"] = get(ours + "linear_fc2.weight")
         return out
+
+
+def _hf_expert_names(config: TransformerConfig) -> tuple[str, str, str]:
+    return ("gate_proj", "up_proj", "down_proj") if MoE.hf_name(config) == "mlp" else ("w1", "w3", "w2")

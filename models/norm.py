@@ -43,13 +43,16 @@ class RMSNormCPU(torch.autograd.Function):
 
 
 class Norm(MegatronModule):
-    def __init__(self, config: TransformerConfig, layer_number: int | None = None):
+    """Over the last dimension of `size` (default: hidden_size; models/attention.py's QK-norm: the head dim)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int | None = None, size: int | None = None):
         super().__init__(config=config)
         self.kind = config.normalization  # "LayerNorm" | "RMSNorm"
         self.eps = config.layernorm_epsilon
-        self.weight = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
+        size = size or config.hidden_size
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=config.params_dtype))
         if self.kind == "LayerNorm":
-            self.bias = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype))
+            self.bias = torch.nn.Parameter(torch.zeros(size, dtype=config.params_dtype))
         elif self.kind == "RMSNorm":
             self.register_parameter("bias", None)
         else:
@@ -57,7 +60,7 @@ class Norm(MegatronModule):
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h] -> same
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h] (or [s, b, heads/tp, hn]) -> same
         shape = (x.shape[-1],)
         if self.kind == "LayerNorm":
             return F.layer_norm(x, shape, self.weight, self.bias, self.eps)

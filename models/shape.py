@@ -41,6 +41,16 @@ class LayerBlocks:
     mlp: str
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (the checkpoint's parameters; models/gpt.py applies it to the table)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's rule: a multiple of divisible_by * tp, so every TP rank holds an equal, aligned shard."""
     multiple = divisible_by * tp
@@ -60,13 +70,18 @@ class ModelShape:
     normalization: str = _tag(WEIGHTS)  # LayerNorm | RMSNorm
     activation: str = _tag(WEIGHTS)  # gelu | swiglu
     add_bias_linear: bool = _tag(WEIGHTS)
+    qkv_bias: bool = _tag(WEIGHTS)  # resolved: also true with add_bias_linear
+    qk_norm: bool = _tag(WEIGHTS)
     tie_embeddings: bool = _tag(WEIGHTS)
     # layer i+1's blocks (Megatron numbers layers from 1): a MoE layer's MLP is "moe"
-    layers: tuple[LayerBlocks, ...] = _tag(WEIGHTS, "attention", "mlp", "moe.layer_freq", "moe.first_dense")
+    layers: tuple[LayerBlocks, ...] = _tag(WEIGHTS, "attention", "mlp", "moe.layer_freq", "moe.first_dense",
+                                           "moe.dense_layers")
     num_experts: int | None = _tag(WEIGHTS, "moe.num_experts")  # None: a dense model
     moe_ffn_hidden_size: int | None = _tag(WEIGHTS, "moe.ffn_hidden_size")  # one expert's; resolved: ffn
     moe_shared_ffn_hidden_size: int | None = _tag(WEIGHTS, "moe.shared_expert_ffn_hidden_size")
     rotary_base: float = _tag(NUMERICS)
+    rope_scaling: RopeScaling | None = _tag(NUMERICS, *(f"rope_scaling.{k}" for k in (
+        "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position")))  # None: plain RoPE
     norm_epsilon: float = _tag(NUMERICS)
     moe_top_k: int = _tag(NUMERICS, "moe.top_k")
     moe_score_function: str = _tag(NUMERICS, "moe.score_function")
@@ -91,10 +106,12 @@ class ModelShape:
             vocab_size=vocab_size if vocab_size is not None else model.vocab_size,
             position_embedding=str(model.position_embedding), normalization=str(model.normalization),
             activation=str(model.activation), add_bias_linear=bool(model.add_bias_linear),
+            qkv_bias=bool(model.qkv_bias or model.add_bias_linear), qk_norm=bool(model.qk_norm),
             tie_embeddings=bool(model.tie_embeddings), layers=layers,
             num_experts=moe.num_experts or None, moe_ffn_hidden_size=(moe.ffn_hidden_size or ffn) if moe.num_experts
             else None, moe_shared_ffn_hidden_size=moe.shared_expert_ffn_hidden_size or None,
-            rotary_base=float(model.rotary_base), norm_epsilon=float(model.norm_epsilon),
+            rotary_base=float(model.rotary_base), rope_scaling=_rope_scaling(model.rope_scaling),
+            norm_epsilon=float(model.norm_epsilon),
             moe_top_k=moe.top_k, moe_score_function=str(moe.score_function), moe_pre_softmax=bool(moe.pre_softmax),
             seq_length=model.seq_length, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
@@ -138,5 +155,14 @@ class ModelShape:
 
 
 def _is_moe_layer(moe, number: int) -> bool:
-    """Layer `number` (1-based) has a MoE MLP: after moe.first_dense dense layers, every moe.layer_freq-th."""
-    return bool(moe.num_experts) and number > moe.first_dense and (number - moe.first_dense - 1) % moe.layer_freq == 0
+    """Layer `number` (1-based) has a MoE MLP: after moe.first_dense dense layers, every moe.layer_freq-th,
+    except the 0-based indices in moe.dense_layers (Hugging Face's mlp_only_layers)."""
+    return (bool(moe.num_experts) and number > moe.first_dense and (number - moe.first_dense - 1) % moe.layer_freq == 0
+            and number - 1 not in moe.dense_layers)
+
+
+def _rope_scaling(scaling) -> RopeScaling | None:
+    if str(scaling.type) == "none":
+        return None
+    return RopeScaling(float(scaling.factor), float(scaling.low_freq_factor), float(scaling.high_freq_factor),
+                       int(scaling.original_max_position))

@@ -21,7 +21,8 @@ edit of the layer, the stack or the engine. A block is a Megatron-Core `Megatron
     Block.extra_losses: tuple[str, ...] = ()               names of the extra losses it attaches
                                                            (models/extra_losses.py), logged like the loss
     Block.extra_stats(shape) -> {name: Stat} (optional)    other statistics it records (tokens per expert)
-    Block.from_hf / Block.to_hf (optional)                 its Hugging Face (Llama) weight mapping
+    Block.from_hf / Block.to_hf (optional)                 its Hugging Face weight mapping (Llama, Qwen, Mixtral)
+    Block.hf_name(config) (optional)                        its HF module name, when not the sub-block's (MoE)
 
 The sub-block names are Megatron-Core's (`input_layernorm`, `self_attention`, `pre_mlp_layernorm`, `mlp`),
 so parameter names match its GPTModel and the checkpoints line up.

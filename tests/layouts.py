@@ -16,6 +16,10 @@ from harness import run_distributed
 from torch.distributed.tensor import DTensor
 
 VOCAB = 101  # deliberately not a multiple of 2: padding must not change anything
+# Llama 3's and Qwen's attention options: QK-norm (Qwen3), biases on q, k, v only (Qwen2), a head dim (24) with
+# heads x head dim != hidden, Llama 3's RoPE scaling (wavelengths 16..64 smoothed, longer ones divided by 4)
+FAMILY_OPTIONS = ["model.qk_norm=true", "model.qkv_bias=true", "model.kv_channels=24", "model.rope_scaling.type=llama3",
+                  "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position=64"]
 
 
 def model_overrides(*extra: str) -> list[str]:

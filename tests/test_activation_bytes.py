@@ -37,6 +37,8 @@ CASES = {
     "attention-learned-mha": (["model.position_embedding=learned", "model.num_query_groups=4"], "self_attention"),
     "attention-selective": (["model.recompute=selective"], "self_attention"),
     "attention-cp2": (["parallel.cp=2", f"model.seq_length={2 * S}"], "self_attention"),
+    "attention-qk-norm": (["model.qk_norm=true", "model.qkv_bias=true", "model.kv_channels=48"], "self_attention"),
+    "attention-qk-norm-cp2": (["model.qk_norm=true", "parallel.cp=2", f"model.seq_length={2 * S}"], "self_attention"),
     "mlp-swiglu": ([], "mlp"),
     "mlp-swiglu-fused": (FUSED, "mlp"),
     "mlp-gelu": (["model.activation=gelu", "model.add_bias_linear=true"], "mlp"),

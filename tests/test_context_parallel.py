@@ -11,7 +11,7 @@ follow the tokens' global positions.
 import json
 
 import pytest
-from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
+from layouts import FAMILY_OPTIONS, make_batch, max_rel_diff, model_overrides, run_layouts
 from runs import train
 
 RTOL = 1e-5
@@ -20,11 +20,13 @@ MODELS = {  # (instead of normalising last-bit gradient differences up to ~3e-5 
     "llama": [*EPS],  # GQA, SwiGLU, RMSNorm, RoPE, tied embeddings
     "gpt2": [*EPS, "model.num_query_groups=null", "model.activation=gelu", "model.normalization=LayerNorm",
              "model.position_embedding=learned", "model.add_bias_linear=true", "model.tie_embeddings=false"],
+    "families": [*EPS, *FAMILY_OPTIONS],  # QK-norm, q/k/v biases, head dim 24, RoPE scaling (tests/layouts.py)
 }
 # (model, overrides, processes, steps): steps > 1 compares every step's loss and the parameters after them
 CASES = {
     "cp2": ("llama", ["parallel.cp=2"], 2, 1),
     "gpt2-cp2": ("gpt2", ["parallel.cp=2"], 2, 1),
+    "families-cp2": ("families", ["parallel.cp=2"], 2, 1),
     "cp2-recompute-selective": ("llama", ["parallel.cp=2", "model.recompute=selective"], 2, 1),
     "cp2-distopt": ("llama", ["parallel.cp=2", "parallel.dist_opt=true"], 2, 3),
     "cp4": ("llama", ["parallel.cp=4"], 4, 1),

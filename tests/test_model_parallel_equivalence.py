@@ -13,7 +13,7 @@ selected cases run (and the references they need): `make test-fast` runs the fas
 import pytest
 import torch
 from harness import run_distributed
-from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
+from layouts import FAMILY_OPTIONS, make_batch, max_rel_diff, model_overrides, run_layouts
 
 RTOL = 1e-5
 
@@ -31,6 +31,8 @@ MODELS = {
     "gated": ["model.mlp=gated_mlp"],
     # a block from a file outside models/ with a named extra loss (tests/blocks.py)
     "penalized": ["model.mlp=blocks:PenalizedMLP"],
+    # Llama 3.x / Qwen2 / Qwen3 attention: QK-norm, q/k/v biases, head dim 24, RoPE scaling (tests/layouts.py)
+    "families": FAMILY_OPTIONS,
 }
 ATTENTION_DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "parallel.tp=2"]
 # bf16 at tp2, unfused and fused (SwiGLU + Megatron-Core's vocab-parallel cross entropy, bf16 only)
@@ -59,6 +61,10 @@ CASES = {
     "penalized-tp2-sp": ("penalized", ["parallel.tp=2", "parallel.sp=true"], 2),
     "penalized-pp2-vpp2": ("penalized", ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1"], 2),
     "penalized-dp2": ("penalized", ["train.micro_batch_size=1"], 2),
+    # tp2 without SP: the QK-norms' partial gradients are summed over TP by name (qk_layernorm), not as SP's norms
+    "families-tp2": ("families", ["parallel.tp=2"], 2),
+    "families-tp2-sp": ("families", ["parallel.tp=2", "parallel.sp=true"], 2),
+    "families-pp2": ("families", ["parallel.pp=2"], 2),
 }
 FAST = {"tp2", "pp2-tied", "gated-tp2", "gated-pp2"}  # the default model and the example block at tp2 and pp2
 EXTRAS = ("attn-dropout", "attn-dropout-recompute-full", *BF16)  # cases of the tests below the first

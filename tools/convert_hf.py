@@ -1,5 +1,6 @@
-"""Hugging Face <-> template checkpoints (Llama family: GQA, RoPE theta, RMSNorm eps, tied or untied embeddings;
-Mixtral: the same attention with mixture-of-experts MLPs).
+"""Hugging Face <-> template checkpoints: Llama 2 / 3.x (RoPE scaling), Mistral, Qwen2 / Qwen2.5 (q, k, v biases),
+Qwen3 (QK-norm, explicit head dim), Mixtral and Qwen3-MoE (mixtures of experts); GQA, tied or untied embeddings.
+Which config.json fields map to which model.* fields: training/interop/hf_config.py.
 
     python tools/convert_hf.py import --hf-dir ~/hf/Llama-2-7b-hf --out ckpts/llama2 --name llama2_hf --check
     NPROC=8 launch/train.sh model=llama2_hf parallel.tp=4 checkpoint.load=ckpts/llama2 checkpoint.finetune=true
@@ -83,13 +84,13 @@ def do_import(args, overrides: list[str]) -> bool:
     from training.config.schema import ParallelConfig
     from training.config.validate import validate
     from training.engine.build import build
-    from training.interop import hf
+    from training.interop import hf, hf_config
     from training.parallel import dist as D
 
     hf_dir = Path(args.hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise TemplateError(f"{hf_dir} has no config.json: point --hf-dir at a downloaded Hugging Face model")
-    fields = hf.model_fields(json.loads((hf_dir / "config.json").read_text()))
+    fields = hf_config.model_fields(json.loads((hf_dir / "config.json").read_text()))
     overridden = {o.split("=")[0].lstrip("+~") for o in overrides}
     fixed = sorted(f"model.{k}" for k in fixed_by_config_json() if f"model.{k}" in overridden)
     if fixed or any(k.startswith("parallel.") for k in overridden):
@@ -98,9 +99,10 @@ def do_import(args, overrides: list[str]) -> bool:
     cfg = compose(overrides)
     fields["name"] = args.name or (Path(args.preset_out).stem if args.preset_out else
                                    re.sub(r"[^a-z0-9_]+", "_", hf_dir.resolve().name.lower()).strip("_") or "hf")
-    for key, value in fields.pop("moe", {}).items():  # a mixture of experts (Mixtral)
-        if f"model.moe.{key}" not in overridden:
-            setattr(cfg.model.moe, key, value)
+    for group in ("moe", "rope_scaling"):  # a mixture of experts; Llama 3's RoPE scaling
+        for key, value in fields.pop(group, {}).items():
+            if f"model.{group}.{key}" not in overridden:
+                setattr(getattr(cfg.model, group), key, value)
     for key, value in fields.items():
         if f"model.{key}" not in overridden:
             setattr(cfg.model, key, value)
@@ -118,7 +120,7 @@ def do_import(args, overrides: list[str]) -> bool:
         weights = hf.HFWeights(hf_dir)
         count = hf.load_hf_weights(state, weights)
         if unread := weights.unread(tied=cfg.model.tie_embeddings):
-            raise hf.HFError(f"tensors our Llama-style GPT has no place for (another architecture?): {unread[:8]}")
+            raise hf.HFError(f"tensors our GPT has no place for (another architecture?): {unread[:8]}")
         checkpoint.save(cfg, state, iteration=0, consumed_samples=0, model_only=True)
         preset.parent.mkdir(parents=True, exist_ok=True)
         preset.write_text(f"# {cfg.model.name}: imported from {hf_dir.resolve()} by tools/convert_hf.py (derived from "
@@ -138,7 +140,7 @@ def do_export(args) -> bool:
     from training import checkpoint
     from training.config.schema import ParallelConfig, to_config
     from training.engine.build import build
-    from training.interop import hf
+    from training.interop import hf, hf_config
     from training.parallel import dist as D
 
     path = checkpoint.resolve_path(args.ckpt)
@@ -147,18 +149,18 @@ def do_export(args) -> bool:
     cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)  # tp1 pp1: load reshards
     cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = None, str(path), True  # weights only
     shape = ModelShape.of(cfg.model, run["vocab_size"])
-    hf_config = hf.llama_config(shape, cfg.model, cfg.train.precision)
+    config = hf_config.hf_config(shape, cfg.model, cfg.train.precision)
     source = Path(args.tokenizer_dir) / "config.json" if args.tokenizer_dir else None
     if source is not None and source.is_file():  # the tokenizer's special token ids
         for key, value in json.loads(source.read_text()).items():
             if key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-                setattr(hf_config, key, value)
+                setattr(config, key, value)
     out = empty_dir(Path(args.out), "--out")
     start = time.perf_counter()
     with D.distributed(tp=1, pp=1, seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes) as info:
         state = build(cfg, shape, info.device, init=False, train=False)
         checkpoint.maybe_load(cfg, state)
-        hf_config.save_pretrained(str(out))
+        config.save_pretrained(str(out))
         size = hf.write_safetensors(hf.hf_tensors(state), out, int(args.max_shard_gb * 2**30))
         for name in TOKENIZER_FILES if args.tokenizer_dir else ():
             if (Path(args.tokenizer_dir) / name).is_file():

@@ -24,7 +24,7 @@ from training.bench.benchmark import sync
 from training.config.schema import Config, Precision
 from training.engine import bridge
 from training.errors import ConfigError
-from training.interop import hf
+from training.interop import hf, hf_config
 
 
 @dataclass
@@ -44,9 +44,9 @@ def build_hf(state, cfg: Config, device: torch.device) -> HFSide:
                           "train.precision")
     if state.shape.num_experts or cfg.model.hidden_dropout or cfg.model.attention_dropout:
         raise ConfigError("--compare-hf compares a dense Llama without dropout (transformers' LlamaForCausalLM)")
-    config = hf.llama_config(state.shape, cfg.model, "fp32")
+    config = hf_config.hf_config(state.shape, cfg.model, "fp32")  # LlamaConfig, or Qwen's for their options
     config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(config).to(device)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device)
     missing = set(model.state_dict())
     with torch.no_grad():
         params = dict(model.named_parameters())

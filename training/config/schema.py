@@ -27,6 +27,11 @@ class Activation(StrEnum):
     swiglu = "swiglu"  # gated: SiLU(gate) * up, fc1 doubled
 
 
+class RopeScalingType(StrEnum):
+    none = "none"  # plain RoPE
+    llama3 = "llama3"  # Llama 3.1+: long wavelengths divided by factor, a smooth band between
+
+
 class Recompute(StrEnum):
     none = "none"
     selective = "selective"  # core attention only
@@ -83,8 +88,18 @@ class MoEConfig:
     score_function: ScoreFunction = ScoreFunction.softmax  # router scores
     pre_softmax: bool = False  # softmax over all experts before top-k (Qwen); false: over the k (Mixtral)
     dispatcher: Dispatcher = Dispatcher.alltoall  # how tokens reach the experts (Megatron-LM's EP default)
+    dense_layers: list[int] = field(default_factory=list)  # 0-based layers also kept dense (HF mlp_only_layers)
     capacity_factor: Optional[float] = None  # drop tokens beyond this x an expert's mean load; null = none
     grouped_gemm: bool = False  # Transformer Engine's grouped GEMM experts (TEGroupedMLP); needs TE
+
+
+@dataclass
+class RopeScalingConfig:
+    type: RopeScalingType = RopeScalingType.none  # none | llama3 (every Llama 3.1, 3.2, 3.3 checkpoint)
+    factor: float = 8.0  # how much longer the context gets than original_max_position (Llama 3.1: 8, 3.2: 32)
+    low_freq_factor: float = 1.0  # wavelengths above original_max_position / this are divided by factor
+    high_freq_factor: float = 4.0  # wavelengths below original_max_position / this stay as they are
+    original_max_position: int = 8192  # the context length the model was pretrained at before scaling
 
 
 @dataclass
@@ -104,6 +119,9 @@ class ModelConfig:
     norm_epsilon: float = 1e-5  # epsilon inside the norms
     activation: Activation = Activation.swiglu  # swiglu (Llama) | gelu (GPT-2)
     add_bias_linear: bool = False  # biases in the linear layers (GPT-2 yes, Llama no)
+    qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2); add_bias_linear implies them
+    qk_norm: bool = False  # a norm over each query and key head before RoPE (Qwen3; Megatron-Core's qk_layernorm)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # RoPE frequency scaling (Llama 3.x)
     tie_embeddings: bool = True  # output layer reuses the embedding (also across pipeline stages)
     attention: str = "self_attention"  # the layers' attention block: a name in models/spec.py's BLOCKS or module:Class
     mlp: str = "mlp"  # the layers' MLP block: a name in models/spec.py's BLOCKS or module:Class
@@ -173,7 +191,7 @@ class TrainConfig:
     exit_interval: int = 0  # stop (after saving) at an iteration multiple of this; 0 = never
     exit_duration_minutes: float = 0.0  # stop (after saving) after this wall-clock time; 0 = never
     nan_policy: NanPolicy = NanPolicy.stop  # stop | skip: what a NaN/Inf loss or gradient does (before the update)
-    watchdog_factor: float = 10.0  # a step this many times the recent median is a hang (training/engine/watchdog.py); 0 = off
+    watchdog_factor: float = 10.0  # a step this many times the recent median is a hang (engine/watchdog.py); 0 = off
     watchdog_min_seconds: float = 300.0  # ... but a step may always take this long (compiles, saves, slow disks)
     profile: bool = False  # torch.profiler trace of iterations [profile_start, profile_end)
     profile_start: int = 5  # first profiled iteration (after warm-up)
@@ -223,6 +241,7 @@ def to_config(cfg: Any) -> Config:
 
 
 __all__ = ["Activation", "DecayStyle", "Dispatcher", "Fsdp", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction",
+           "RopeScalingConfig", "RopeScalingType",
            "Normalization", "PositionEmbedding", "Precision",
            "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "register", "to_config"]

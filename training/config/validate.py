@@ -56,6 +56,15 @@ def model_problems(cfg: Config, shape: ModelShape) -> list[str]:
     if not (0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0):
         out.append(f"dropout must be in [0, 1): model.hidden_dropout={m.hidden_dropout}, "
                    f"model.attention_dropout={m.attention_dropout}")
+    r = m.rope_scaling
+    if str(r.type) != "none" and (str(m.position_embedding) != "rope" or r.factor < 1 or r.original_max_position < 1
+                                  or not 0 < r.low_freq_factor < r.high_freq_factor):
+        out.append(f"model.rope_scaling.type={r.type} needs model.position_embedding=rope (is {m.position_embedding}),"
+                   f" factor >= 1 (is {r.factor}), original_max_position >= 1 (is {r.original_max_position}) and "
+                   f"0 < low_freq_factor < high_freq_factor (are {r.low_freq_factor}, {r.high_freq_factor})")
+    if outside := [i for i in m.moe.dense_layers if not 0 <= i < m.num_layers]:
+        out.append(f"model.moe.dense_layers={list(m.moe.dense_layers)}: {outside} are not 0-based layer indices "
+                   f"below model.num_layers={m.num_layers}")
     if m.make_vocab_size_divisible_by < 1:
         out.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
     return out

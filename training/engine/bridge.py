@@ -41,7 +41,8 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups, ffn_hidden_size=shape.ffn_hidden_size,
         kv_channels=shape.kv_channels, normalization=shape.normalization, layernorm_epsilon=shape.norm_epsilon,
-        add_bias_linear=shape.add_bias_linear, gated_linear_unit=shape.gated,
+        add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.qkv_bias, gated_linear_unit=shape.gated,
+        qk_layernorm=shape.qk_norm,  # also tells finalize_model_grads to sum the q/k norms' grads over TP
         activation_func=ACTIVATIONS[m.activation],
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,

@@ -1,6 +1,6 @@
-"""Hugging Face (Llama family) interop, the engine side of tools/convert_hf.py: HF config.json <-> our model
-config, safetensors in and out (sharded or not, read lazily), weights into and out of a built GPT, and the
-whole model's logits at any layout (TP shards and PP stages gathered) for the logits check.
+"""Hugging Face interop, the engine side of tools/convert_hf.py: safetensors in and out (sharded or not, read
+lazily), weights into and out of a built GPT, and the whole model's logits at any layout (TP shards and PP
+stages gathered) for the logits check. config.json <-> our model config: training/interop/hf_config.py.
 
 Which HF tensor becomes which of our parameters is declared next to each block in models/ (`from_hf` /
 `to_hf` static methods of the block classes in models/; models/gpt.py walks them). `transformers`
@@ -18,96 +18,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from models import gpt as gpt_module
-from models.shape import ModelShape
 from training.engine.build import TrainState
-from training.errors import TemplateError
+from training.interop.hf_config import HFError
 from training.parallel.wrap import unwrap
 
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some older checkpoints saved: recomputed
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 5e-2  # max |logit diff| / max |logit| (bf16: 8 mantissa bits)
-
-
-class HFError(TemplateError):
-    pass
-
-
-# ---- config ------------------------------------------------------------------------------------------------
-
-def model_fields(hf: dict) -> dict:
-    """HF config.json (Llama family, and Mixtral: Llama's attention with MoE MLPs) -> training.config.schema.ModelConfig
-    fields (a MoE's under "moe"); refuses what our GPT cannot express, naming the field."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    mixtral = hf.get("model_type") == "mixtral"
-    problems = [f"{key}={hf.get(key)!r} (supported: {ok})" for key, ok, good in (
-        ("model_type", "llama, mistral, mixtral", hf.get("model_type") in ("llama", "mistral", "mixtral")),
-        ("router_jitter_noise", "0.0", hf.get("router_jitter_noise", 0.0) == 0.0),
-        ("hidden_act", "silu", hf.get("hidden_act", "silu") == "silu"),
-        ("rope_scaling", "none: plain RoPE", rope.get("rope_type", rope.get("type", "default")) == "default"),
-        ("partial_rotary_factor", "1.0", hf.get("partial_rotary_factor", 1.0) == 1.0),
-        ("sliding_window", "null", hf.get("sliding_window") is None),
-        ("mlp_bias", "equal to attention_bias", hf.get("mlp_bias", False) == hf.get("attention_bias", False)),
-    ) if not good]
-    if problems:
-        raise HFError("this Hugging Face model is not a plain Llama-style decoder: " + "; ".join(problems))
-    moe = {} if not mixtral else {"moe": dict(  # every layer sparse; the top-k renormalised: pre-softmax off
-        num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=None,
-        shared_expert_ffn_hidden_size=None, layer_freq=1, first_dense=0, score_function="softmax",
-        pre_softmax=False, aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))}
-    return dict(**moe,
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
-        vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
-        position_embedding="rope", rotary_base=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
-        add_bias_linear=bool(hf.get("attention_bias", False)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's default
-        attention_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
-        init_method_std=float(hf.get("initializer_range", 0.02)))
-
-
-def llama_config(shape: ModelShape, model, precision: str):
-    """Our model's shape (+ its config's dropout and init std) -> a transformers LlamaConfig, or a MixtralConfig
-    for a mixture of experts in every layer."""
-    import transformers
-
-    wrong = {k: getattr(shape, k) for k, ok in (("position_embedding", "rope"), ("normalization", "RMSNorm"),
-                                                ("activation", "swiglu")) if getattr(shape, k) != ok}
-    if shape.num_experts:
-        every_layer = len(shape.moe_layer_numbers) == shape.num_layers
-        wrong.update({k: v for k, v, ok in (
-            ("model.moe.first_dense / layer_freq", "not every layer MoE", every_layer),
-            ("model.moe.shared_expert_ffn_hidden_size", shape.moe_shared_ffn_hidden_size,
-             not shape.moe_shared_ffn_hidden_size),
-            ("model.moe.score_function", shape.moe_score_function, shape.moe_score_function == "softmax"),
-            ("model.moe.pre_softmax", shape.moe_pre_softmax, not shape.moe_pre_softmax)) if not ok})
-    if wrong:
-        raise HFError(f"only Llama-style models (rope, RMSNorm, swiglu; MoE as Mixtral: every layer, softmax over the "
-                      f"top-k, no shared expert) export to Hugging Face; this one has {wrong}")
-    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    if shape.num_experts:
-        return transformers.MixtralConfig(
-            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.moe_ffn_hidden_size,
-            num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-            num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
-            max_position_embeddings=shape.seq_length, rope_theta=shape.rotary_base, rms_norm_eps=shape.norm_epsilon,
-            hidden_act="silu", tie_word_embeddings=shape.tie_embeddings, num_local_experts=shape.num_experts,
-            num_experts_per_tok=shape.moe_top_k, router_aux_loss_coef=model.moe.aux_loss_coeff,
-            attention_dropout=model.attention_dropout, initializer_range=model.init_method_std, sliding_window=None,
-            bos_token_id=None, eos_token_id=None, architectures=["MixtralForCausalLM"],
-            **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
-    return transformers.LlamaConfig(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
-        max_position_embeddings=shape.seq_length, rope_theta=shape.rotary_base,
-        rms_norm_eps=shape.norm_epsilon, hidden_act="silu", tie_word_embeddings=shape.tie_embeddings,
-        attention_bias=shape.add_bias_linear, mlp_bias=shape.add_bias_linear,
-        attention_dropout=model.attention_dropout, initializer_range=model.init_method_std,
-        bos_token_id=None, eos_token_id=None, architectures=["LlamaForCausalLM"],
-        **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
 
 
 # ---- safetensors -------------------------------------------------------------------------------------------

@@ -97,11 +97,18 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
     After a restart (launch/train.sh MAX_RESTARTS) torchrun hands the new ranks the same store; without the
     prefix a rank can read a dead predecessor's gloo / NCCL address and wait on it (measured: gloo's
     connectFullMesh "Connection refused" on a restart, with torchrun's static and standalone rendezvous
-    alike). Under torchrun the elastic agent serves the store; otherwise rank 0 does."""
+    alike). Under torchrun the elastic agent serves the store; otherwise rank 0 does. The same holds for a
+    process that starts a second process group after tearing down its first (tests, tools running several
+    jobs): every start in a process gets its own prefix too."""
+    global _starts
+    _starts += 1
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT"), world_size,
                           is_master=rank == 0 and not agent, timeout=timeout, multi_tenant=not agent)
-    return dist.PrefixStore(f"/template/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"/template/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_starts}", store)
+
+
+_starts = 0  # process groups this process started (attempt_store's prefix)
 
 
 def init(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,

@@ -1,0 +1,184 @@
+"""Hugging Face config.json <-> our model config, for the families tools/convert_hf.py converts:
+
+    family      what it adds to Llama's decoder (GQA, RoPE, RMSNorm, SwiGLU)       our fields
+    llama       Llama 2 / 3.x (3.1+: RoPE scaling "llama3"), Mistral without SWA   rope_scaling.*
+    qwen2       biases on q, k and v (Qwen2, Qwen2.5)                              qkv_bias
+    qwen3       RMSNorm of each query and key head before RoPE; head_dim != h/heads qk_norm, kv_channels
+    mixtral     MoE in every layer, softmax over the top-k                        moe.*
+    qwen3_moe   Qwen3's attention; MoE layers by decoder_sparse_step / mlp_only_layers moe.*, moe.dense_layers
+
+Import (`model_fields`) refuses what the template cannot express, naming the field and its value as the
+checkpoint holds it; export (`hf_config`) writes the family's own config class, picked from the model's
+features by `family` (the same rule models/moe.py's HF names follow: QK-norm means Qwen3).
+Light on purpose (no Megatron-Core, no torch): the config check before any work.
+"""
+
+from __future__ import annotations
+
+from training.errors import TemplateError
+
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+QWEN = ("qwen2", "qwen3", "qwen3_moe")
+
+
+class HFError(TemplateError):
+    pass
+
+
+def _rope(hf: dict) -> tuple[str, dict]:
+    """(where the RoPE parameters are, the parameters): transformers 5 writes rope_parameters, 4 rope_scaling."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    return key, hf.get(key) or {}
+
+
+def _refusals(hf: dict) -> list[str]:
+    """config.json's fields the template cannot express, each as `field=value (supported: ...)`."""
+    kind = hf.get("model_type")
+    where, rope = _rope(hf)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    layer_types = sorted(set(hf.get("layer_types") or ["full_attention"]))
+    checks = [
+        ("model_type", kind, ", ".join(FAMILIES), kind in FAMILIES),
+        ("hidden_act", hf.get("hidden_act", "silu"), "silu", hf.get("hidden_act", "silu") == "silu"),
+        (f"{where}.rope_type", rope_type, "default, llama3", rope_type in ("default", "llama3")),
+        ("partial_rotary_factor", hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)), "1.0",
+         hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) == 1.0),
+        ("layer_types", layer_types, "full_attention", layer_types == ["full_attention"]),
+        ("attn_logit_softcapping", hf.get("attn_logit_softcapping"), "null", hf.get("attn_logit_softcapping") is None),
+        ("final_logit_softcapping", hf.get("final_logit_softcapping"), "null",
+         hf.get("final_logit_softcapping") is None),
+        ("router_jitter_noise", hf.get("router_jitter_noise", 0.0), "0.0", hf.get("router_jitter_noise", 0.0) == 0.0),
+    ]
+    if kind in QWEN:  # Qwen configs carry a sliding_window size even when use_sliding_window is off
+        checks.append(("use_sliding_window", hf.get("use_sliding_window", False), "false",
+                       not hf.get("use_sliding_window", False)))
+    else:
+        checks.append(("sliding_window", hf.get("sliding_window"), "null", hf.get("sliding_window") is None))
+    if kind in ("qwen3", "qwen3_moe"):  # Qwen3's flag biases q, k, v and o, its MLP has none
+        checks.append(("attention_bias", hf.get("attention_bias", False), "false", not hf.get("attention_bias")))
+    if kind not in QWEN:
+        checks.append(("mlp_bias", hf.get("mlp_bias", False), "equal to attention_bias",
+                       hf.get("mlp_bias", False) == hf.get("attention_bias", False)))
+    if kind == "qwen3_moe":
+        checks.append(("shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"), "null or 0",
+                       not hf.get("shared_expert_intermediate_size")))
+    return [f"{name}={value!r} (supported: {ok})" for name, value, ok, good in checks if not good]
+
+
+def model_fields(hf: dict) -> dict:
+    """HF config.json -> training.config.schema.ModelConfig fields (nested groups "moe", "rope_scaling" as dicts);
+    refuses what our GPT cannot express, naming the field and the value config.json holds."""
+    if problems := _refusals(hf):
+        raise HFError(f"this Hugging Face model ({hf.get('model_type')}) has what the template cannot express: "
+                      + "; ".join(problems))
+    kind = hf["model_type"]
+    _, rope = _rope(hf)
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    fields = dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
+        vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
+        position_embedding="rope", rotary_base=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
+        add_bias_linear=bool(hf.get("attention_bias", False)) and kind not in QWEN,
+        qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's default
+        attention_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
+        init_method_std=float(hf.get("initializer_range", 0.02)))
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        fields["rope_scaling"] = dict(
+            type="llama3", factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope["original_max_position_embeddings"]))
+    if kind == "mixtral":  # every layer sparse; the top-k renormalised: softmax over the top-k logits
+        fields["moe"] = dict(
+            num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=None,
+            shared_expert_ffn_hidden_size=None, layer_freq=1, first_dense=0, dense_layers=[],
+            score_function="softmax", pre_softmax=False, aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))
+    elif kind == "qwen3_moe":  # HF: layer i sparse unless in mlp_only_layers, when (i+1) % decoder_sparse_step == 0
+        step = int(hf.get("decoder_sparse_step", 1))
+        fields["moe"] = dict(
+            num_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+            ffn_hidden_size=hf["moe_intermediate_size"], shared_expert_ffn_hidden_size=None,
+            layer_freq=step, first_dense=step - 1, dense_layers=sorted(hf.get("mlp_only_layers") or []),
+            score_function="softmax",
+            # norm_topk_prob: renormalise the top-k probabilities = softmax over the top-k logits (pre_softmax off)
+            pre_softmax=not hf.get("norm_topk_prob", False),
+            aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
+    return fields
+
+
+def family(shape) -> str:
+    """The Hugging Face family that expresses this models/shape.py ModelShape (export writes its config)."""
+    if shape.num_experts:
+        return "qwen3_moe" if shape.qk_norm else "mixtral"
+    if shape.qk_norm:
+        return "qwen3"
+    return "qwen2" if shape.qkv_bias and not shape.add_bias_linear else "llama"
+
+
+def _export_problems(shape, kind: str) -> dict:
+    """{our field: value} that the family `kind` cannot express."""
+    checks = [("model.position_embedding", shape.position_embedding, "rope"),
+              ("model.normalization", shape.normalization, "RMSNorm"), ("model.activation", shape.activation, "swiglu")]
+    if kind in ("qwen3", "qwen3_moe", "mixtral"):
+        checks += [("model.add_bias_linear", shape.add_bias_linear, False), ("model.qkv_bias", shape.qkv_bias, False)]
+    if kind != "llama" and shape.rope_scaling is not None:
+        checks.append(("model.rope_scaling.type", "llama3", "none"))
+    if kind == "qwen2":  # Qwen2's head dim is hidden_size / heads
+        checks.append(("model.kv_channels", shape.kv_channels, shape.hidden_size // shape.num_attention_heads))
+    if shape.num_experts:
+        checks += [("model.moe.shared_expert_ffn_hidden_size", shape.moe_shared_ffn_hidden_size, None),
+                   ("model.moe.score_function", shape.moe_score_function, "softmax")]
+    if kind == "mixtral":
+        checks += [("MoE layers (model.moe.first_dense, layer_freq, dense_layers)", len(shape.moe_layer_numbers),
+                    shape.num_layers),  # Mixtral: every layer
+                   ("model.moe.pre_softmax", shape.moe_pre_softmax, False)]
+    return {name: value for name, value, ok in checks if value != ok}
+
+
+def hf_config(shape, model, precision: str):
+    """Our model's shape (+ its config's dropout, init std, aux-loss weight) -> the family's transformers config
+    (LlamaConfig, Qwen2Config, Qwen3Config, MixtralConfig or Qwen3MoeConfig)."""
+    import transformers
+
+    kind = family(shape)
+    if wrong := _export_problems(shape, kind):
+        raise HFError(f"this model exports as {kind} (from its features), which cannot express {wrong}")
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    common = dict(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
+        head_dim=shape.kv_channels, max_position_embeddings=shape.seq_length, rope_theta=shape.rotary_base,
+        rms_norm_eps=shape.norm_epsilon, hidden_act="silu", tie_word_embeddings=shape.tie_embeddings,
+        attention_dropout=model.attention_dropout, initializer_range=model.init_method_std, bos_token_id=None,
+        eos_token_id=None, **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
+    if (scaling := shape.rope_scaling) is not None:
+        common["rope_scaling"] = dict(
+            rope_type="llama3", factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+            high_freq_factor=scaling.high_freq_factor, original_max_position_embeddings=scaling.original_max_position)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(
+            **common, intermediate_size=shape.moe_ffn_hidden_size, num_local_experts=shape.num_experts,
+            num_experts_per_tok=shape.moe_top_k, router_aux_loss_coef=model.moe.aux_loss_coeff, sliding_window=None,
+            architectures=["MixtralForCausalLM"])
+    if kind == "qwen3_moe":
+        dense = [n - 1 for n in range(1, shape.num_layers + 1) if n not in shape.moe_layer_numbers]
+        return transformers.Qwen3MoeConfig(
+            **common, intermediate_size=shape.ffn_hidden_size, moe_intermediate_size=shape.moe_ffn_hidden_size,
+            num_experts=shape.num_experts, num_experts_per_tok=shape.moe_top_k,
+            norm_topk_prob=not shape.moe_pre_softmax, decoder_sparse_step=1, mlp_only_layers=dense,
+            router_aux_loss_coef=model.moe.aux_loss_coeff, attention_bias=False, use_sliding_window=False,
+            architectures=["Qwen3MoeForCausalLM"])
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, intermediate_size=shape.ffn_hidden_size, attention_bias=False,
+                                        use_sliding_window=False, architectures=["Qwen3ForCausalLM"])
+    if kind == "qwen2":  # no head_dim field: hidden_size / heads (checked above)
+        common.pop("head_dim")
+        return transformers.Qwen2Config(**common, intermediate_size=shape.ffn_hidden_size, use_sliding_window=False,
+                                        architectures=["Qwen2ForCausalLM"])
+    return transformers.LlamaConfig(
+        **common, intermediate_size=shape.ffn_hidden_size, attention_bias=shape.add_bias_linear,
+        mlp_bias=shape.add_bias_linear, architectures=["LlamaForCausalLM"])
