@@ -14,38 +14,64 @@ pytestmark = pytest.mark.fast  # the whole module: compose and validate in this 
 
 INVALID = {
     # overrides, world size, a fragment the one-line error must contain
-    "world-not-divisible": (["parallel.tp=2"], 3, "world size 3 is not divisible by parallel.tp * parallel.pp = 2 * 1 = 2"),
+    "world-not-divisible": (["parallel.tp=2"], 3,
+                            "world size 3 is not divisible by parallel.tp * parallel.pp = 2 * 1 = 2"),
     "heads-vs-tp": (["parallel.tp=8"], 8, "model.num_attention_heads=4 is not divisible by parallel.tp=8"),
     "groups-vs-tp": (["parallel.tp=4"], 4, "model.num_query_groups=2 is not divisible by parallel.tp=4"),
-    "heads-vs-groups": (["model.num_query_groups=3"], 1, "model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
+    "heads-vs-groups": (["model.num_query_groups=3"], 1,
+                        "model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
     "layers-vs-pp": (["parallel.pp=3"], 3, "model.num_layers=4 is not divisible by parallel.pp * vpp = 3 * 1 = 3"),
-    "layers-vs-vpp": (["parallel.pp=2", "parallel.vpp=4"], 2, "model.num_layers=4 is not divisible by parallel.pp * vpp = 2 * 4 = 8"),
-    "batch-vs-micro-dp": (["train.global_batch_size=12", "train.micro_batch_size=4"], 2, "train.global_batch_size=12 is not divisible by train.micro_batch_size * dp = 4 * 2 = 8"),
+    "layers-vs-vpp": (["parallel.pp=2", "parallel.vpp=4"], 2,
+                      "model.num_layers=4 is not divisible by parallel.pp * vpp = 2 * 4 = 8"),
+    "batch-vs-micro-dp": (["train.global_batch_size=12", "train.micro_batch_size=4"], 2,
+                          "train.global_batch_size=12 is not divisible by train.micro_batch_size * dp = 4 * 2 = 8"),
     "sp-needs-tp": (["parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
     "vpp-needs-pp": (["parallel.vpp=2"], 1, "parallel.vpp=2 needs parallel.pp > 1 (got pp=1)"),
-    "seq-vs-tp-under-sp": (["parallel.tp=2", "parallel.sp=true", "model.seq_length=127"], 2, "model.seq_length=127 is not divisible by parallel.tp=2"),
-    "interleaved-microbatches": (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=4", "train.micro_batch_size=4"], 2, "needs micro-batches per step divisible by parallel.pp"),
-    "hidden-vs-heads": (["model.hidden_size=130"], 1, "model.hidden_size=130 is not divisible by model.num_attention_heads=4: set model.kv_channels"),
-    "param-gather-needs-distopt": (["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"], 1, "parallel.overlap_param_gather=true needs parallel.dist_opt=true"),
+    "seq-vs-tp-under-sp": (["parallel.tp=2", "parallel.sp=true", "model.seq_length=127"], 2,
+                           "model.seq_length=127 is not divisible by parallel.tp=2"),
+    "interleaved-microbatches": (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=4",
+                                  "train.micro_batch_size=4"], 2,
+                                 "needs micro-batches per step divisible by parallel.pp"),
+    "hidden-vs-heads": (["model.hidden_size=130"], 1,
+                        "model.hidden_size=130 is not divisible by model.num_attention_heads=4: set model.kv_channels"),
+    "param-gather-needs-distopt": (["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"], 1,
+                                   "parallel.overlap_param_gather=true needs parallel.dist_opt=true"),
     # choices are Enums in the schema: refused while composing, in one line
-    "precision-choice": (["train.precision=fp16"], 1, "train.precision: Invalid value 'fp16', expected one of [fp32, bf16]"),
-    "recompute-choice": (["model.recompute=some"], 1, "model.recompute: Invalid value 'some', expected one of [none, selective, full]"),
-    "activation-choice": (["model.activation=relu"], 1, "model.activation: Invalid value 'relu', expected one of [gelu, swiglu]"),
+    "precision-choice": (["train.precision=fp16"], 1,
+                         "train.precision: Invalid value 'fp16', expected one of [fp32, bf16]"),
+    "recompute-choice": (["model.recompute=some"], 1,
+                         "model.recompute: Invalid value 'some', expected one of [none, selective, full]"),
+    "activation-choice": (["model.activation=relu"], 1,
+                          "model.activation: Invalid value 'relu', expected one of [gelu, swiglu]"),
     "fused-kernels-bool": (["model.fused_kernels=maybe"], 1, "model.fused_kernels: Value 'maybe' is not a valid bool"),
-    "unknown-key": (["model.num_experts=8"], 1, "model.num_experts: Key 'num_experts' not in 'ModelConfig' (to append"),
-    "integer-field": (["train.iters=ten"], 1, "train.iters: Value 'ten' of type 'str' could not be converted to Integer"),
-    "unknown-block": (["model.mlp=sparse"], 1, "model.mlp=sparse: unknown block 'sparse': use one of self_attention, mlp, gated_mlp, moe"),
+    "unknown-key": (["model.num_experts=8"], 1,
+                    "unknown key 'model.num_experts' (did you mean model.moe.num_experts?)"),
+    "integer-field": (["train.iters=ten"], 1,
+                      "train.iters: Value 'ten' of type 'str' could not be converted to Integer"),
+    "unknown-block": (["model.mlp=sparse"], 1,
+                      "model.mlp=sparse: unknown block 'sparse': use one of self_attention, mlp, gated_mlp, moe"),
     "moe-by-name": (["model.mlp=moe"], 1, "model.mlp=moe: MoE layers come from model.moe.num_experts"),
-    "ep-without-moe": (["parallel.ep=2"], 2, "parallel.ep=2 / parallel.etp=1 split experts: they need a mixture-of-experts model"),
-    "experts-vs-ep": (["model=moe_tiny", "parallel.ep=3"], 3, "model.moe.num_experts=8 is not divisible by parallel.ep=3"),
-    "expert-layout-vs-world": (["model=moe_tiny", "parallel.ep=4", "train.global_batch_size=8", "train.micro_batch_size=4"], 2, "world size 2 is not divisible by parallel.pp * ep * etp = 1 * 4 * 1 = 4"),
-    "moe-tp-needs-sp": (["model=moe_tiny", "parallel.tp=2"], 2, "a mixture of experts with parallel.tp=2 needs parallel.sp=true"),
-    "moe-top-k": (["model=moe_tiny", "model.moe.top_k=9"], 1, "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
-    "moe-bias": (["model=moe_tiny", "model.add_bias_linear=true"], 1, "a mixture of experts needs model.add_bias_linear=false"),
-    "moe-etp-vs-ffn": (["model=moe_tiny", "parallel.etp=3"], 3, "model.moe.ffn_hidden_size=176 is not divisible by parallel.etp=3"),
-    "moe-dispatcher": (["model=moe_tiny", "model.moe.dispatcher=flex"], 1, "model.moe.dispatcher: Invalid value 'flex', expected one of [alltoall, allgather]"),
-    "block-not-importable": (["model.mlp=models.nowhere:MLP"], 1, "block 'models.nowhere:MLP': cannot import models.nowhere:MLP"),
-    "block-without-counts": (["model.mlp=torch.nn:Linear"], 1, "block torch.nn:Linear has no num_params or flops_per_token"),
+    "ep-without-moe": (["parallel.ep=2"], 2,
+                       "parallel.ep=2 / parallel.etp=1 split experts: they need a mixture-of-experts model"),
+    "experts-vs-ep": (["model=moe_tiny", "parallel.ep=3"], 3,
+                      "model.moe.num_experts=8 is not divisible by parallel.ep=3"),
+    "expert-layout-vs-world": (["model=moe_tiny", "parallel.ep=4", "train.global_batch_size=8",
+                                "train.micro_batch_size=4"], 2,
+                               "world size 2 is not divisible by parallel.pp * ep * etp = 1 * 4 * 1 = 4"),
+    "moe-tp-needs-sp": (["model=moe_tiny", "parallel.tp=2"], 2,
+                        "a mixture of experts with parallel.tp=2 needs parallel.sp=true"),
+    "moe-top-k": (["model=moe_tiny", "model.moe.top_k=9"], 1,
+                  "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
+    "moe-bias": (["model=moe_tiny", "model.add_bias_linear=true"], 1,
+                 "a mixture of experts needs model.add_bias_linear=false"),
+    "moe-etp-vs-ffn": (["model=moe_tiny", "parallel.etp=3"], 3,
+                       "model.moe.ffn_hidden_size=176 is not divisible by parallel.etp=3"),
+    "moe-dispatcher": (["model=moe_tiny", "model.moe.dispatcher=flex"], 1,
+                       "model.moe.dispatcher: Invalid value 'flex', expected one of [alltoall, allgather]"),
+    "block-not-importable": (["model.mlp=models.nowhere:MLP"], 1,
+                             "block 'models.nowhere:MLP': cannot import models.nowhere:MLP"),
+    "block-without-counts": (["model.mlp=torch.nn:Linear"], 1,
+                             "block torch.nn:Linear has no num_params or flops_per_token"),
     "cp-vs-world": (["parallel.cp=2"], 3, "world size 3 is not divisible by parallel.tp * pp * cp = 1 * 1 * 2 = 2"),
     "cp-vs-seq": (["parallel.cp=2", "model.seq_length=126"], 2,
                   "model.seq_length=126 is not divisible by 2 * parallel.cp = 2 * 2 = 4"),
@@ -59,8 +85,10 @@ INVALID = {
     "fsdp-choice": (["parallel.fsdp=zero3"], 1, "parallel.fsdp: Invalid value 'zero3', expected one of [none, "),
     "lr-below-min": (["optim.lr=1e-5", "optim.min_lr=1e-4"], 1, "optim.lr=1e-05 must be >= optim.min_lr=0.0001"),
     "dropout-range": (["model.hidden_dropout=1.5"], 1, "dropout must be in [0, 1)"),
-    "blend-weights-count": (["data.paths=[a,b]", "data.weights=[1.0]"], 1, "data.weights has 1 entries but data.paths has 2"),
-    "missing-checkpoint": (["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load=/nonexistent/ckpt does not exist"),
+    "blend-weights-count": (["data.paths=[a,b]", "data.weights=[1.0]"], 1,
+                            "data.weights has 1 entries but data.paths has 2"),
+    "missing-checkpoint": (["checkpoint.load=/nonexistent/ckpt"], 1,
+                           "checkpoint.load=/nonexistent/ckpt does not exist"),
     "zero-micro-batch": (["train.micro_batch_size=0"], 1, "train.micro_batch_size=0 must be >= 1"),
 }
 
@@ -137,3 +165,43 @@ def test_check_config_cli_prints_one_line_per_problem(tmp_path):
                               capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert f"MASTER_PORT={port} is not free" in proc.stderr
+
+
+UNKNOWN = {  # override -> the one line: with or without `+`, in a {...} value, a group's name, a bare leaf name
+    "paralel.tp=2": "unknown key 'paralel.tp' (did you mean parallel.tp?)",
+    "+paralel.tp=2": "unknown key 'paralel.tp' (did you mean parallel.tp?)",
+    "++train.iter=5": "unknown key 'train.iter' (did you mean train.iters?)",
+    "~paralel.tp": "unknown key 'paralel.tp' (did you mean parallel.tp?)",
+    "model.moe={topk:1}": "unknown key 'model.moe.topk' (did you mean model.moe.top_k?)",
+    "paralel=tp2_sp": "unknown key 'paralel' (did you mean parallel?)",
+    "tp=2": "unknown key 'tp' (did you mean parallel.tp?)",
+    "+zzz=1": "unknown key 'zzz' (the keys are in training/config/schema.py)",
+}
+
+
+@pytest.mark.parametrize("override", list(UNKNOWN))
+def test_unknown_keys_are_refused_naming_the_nearest(override):
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    assert str(err.value) == UNKNOWN[override]
+
+
+def test_hydra_settings_and_group_selections_still_compose(tmp_path):
+    cfg = compose([f"hydra.run.dir={tmp_path}", f"hydra.searchpath=[file://{tmp_path}]", "hydra/job_logging=stdout",
+                   "model=qwen3_8b", "parallel=tp2_sp", "++model.moe.top_k=3"])
+    assert (cfg.model.name, cfg.parallel.tp, cfg.model.moe.top_k) == ("qwen3_8b", 2, 3)
+    assert compose(["experiment=tiny_tp2_sp"]).parallel.sp and compose(["~experiment"]) == compose([])
+
+
+def test_launcher_refuses_an_added_unknown_key_before_starting(tmp_path):
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NPROC="1", RUN_DIR=str(tmp_path / "run"))
+    proc = subprocess.run([str(root / "launch/train.sh"), "+paralel.tp=2", "train.iters=0", "checkpoint.dir=null"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: unknown key 'paralel.tp' (did you mean parallel.tp?)"]
+    assert not (tmp_path / "run").exists()  # no process started
