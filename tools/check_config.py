@@ -1,4 +1,5 @@
-"""Validate a config for WORLD_SIZE processes before launching any (the launch scripts call this).
+"""Validate a config for WORLD_SIZE processes, and the files it names, before launching any (the launch scripts
+call this).
 
     WORLD_SIZE=4 python tools/check_config.py parallel.tp=2 parallel.pp=2
     python tools/check_config.py --port 29500 ...   # also check the rendezvous port is free
@@ -16,6 +17,7 @@ from training.shims.noise import quiet_known_noise
 
 def check(argv: list[str]) -> None:
     from training.config.compose import compose
+    from training.config.paths import check_paths
     from training.config.validate import validate
     from training.errors import LaunchError
     from training.parallel.spawn import port_problem
@@ -28,6 +30,7 @@ def check(argv: list[str]) -> None:
     check_mcore_version()
     cfg = compose(overrides)
     layout = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_paths(cfg)  # the files it names: data.paths, data.tokenizer, checkpoint.load
     if args.port is not None and (problem := port_problem(args.port)):
         raise LaunchError(problem)
     print(f"config ok: {layout.describe()}")

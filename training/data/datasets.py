@@ -17,12 +17,14 @@ import hashlib
 import json
 import os
 import sys
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from training.config.paths import prefix_problem
 from training.config.schema import Config
 from training.errors import ConfigError
 
@@ -108,16 +110,8 @@ def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None) -> None:
     The tokenizer check needs PREFIX.json (written by tools/preprocess_data.py); for datasets made by other
     tools, which have none, the token ids are scanned instead (a read of the whole .bin)."""
     bin_file, idx_file, meta_file = (Path(f"{prefix}{s}") for s in (".bin", ".idx", ".json"))
-    if not bin_file.exists() and not idx_file.exists():
-        raise ConfigError(f"data.paths: no dataset at prefix {prefix} (expected {bin_file} and {idx_file}; "
-                          f"create them with tools/preprocess_data.py)")
-    for present, missing in ((bin_file, idx_file), (idx_file, bin_file)):
-        if present.exists() and not missing.exists():
-            raise ConfigError(f"data.paths: {present} exists but {missing} is missing (an interrupted "
-                              f"preprocessing run?): re-run tools/preprocess_data.py")
-    for file in (bin_file, idx_file):
-        if file.stat().st_size == 0:
-            raise ConfigError(f"data.paths: {file} is empty: re-run tools/preprocess_data.py")
+    if problem := prefix_problem(prefix):  # missing, partial or empty (also checked before the launch)
+        raise ConfigError(problem)
     index = _read_index(idx_file)
     expected = (int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
                 if index.sequence_count else 0)
@@ -231,20 +225,33 @@ def check_splits(prefixes: list[str], split_matrix, split: str) -> None:
 
 
 class MicroBatches:
-    """This DP rank's micro-batches, starting at `consumed_samples`, endlessly (one per next())."""
+    """This DP rank's micro-batches, starting at `consumed_samples`, endlessly (one per next()).
+
+    read_ahead(n) reads the next n now (training/data/batch_check.py checks them before the step); next()
+    then returns those first, in order."""
 
     def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_size: int, dp_rank: int):
         self.dataset, self.micro, self.dp, self.rank = dataset, micro_batch_size, dp_size, dp_rank
-        self.next_index = consumed_samples  # first sample of the next micro-batch group (micro * dp)
+        self.next_index = consumed_samples  # first sample of the next micro-batch group to read (micro * dp)
+        self.ahead: deque[tuple[int, dict]] = deque()  # read, not yet returned: (first sample's index, batch)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        return (self.ahead.popleft() if self.ahead else self._read())[1]
+
+    def read_ahead(self, count: int) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """The next `count` micro-batches as (index of its first sample in the dataset, batch)."""
+        while len(self.ahead) < count:
+            self.ahead.append(self._read())
+        return list(self.ahead)[:count]
+
+    def _read(self) -> tuple[int, dict[str, torch.Tensor]]:
         start = self.next_index + self.rank * self.micro
         self.next_index += self.micro * self.dp
         samples = [self.dataset[i] for i in range(start, start + self.micro)]
-        return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask")}
+        return start, {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask")}
 
 
 def _chunk_reads_data(index: int, num_chunks: int) -> bool:

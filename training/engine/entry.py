@@ -1,7 +1,7 @@
 """What train.py runs on every rank: the composed config -> the typed config -> validation -> the loop.
 
     precheck(sys.argv[1:])    # before @hydra.main: a value the schema refuses is one line (Hydra prints several)
-    start(composed)           # inside @hydra.main: paths, validation, the resolved config, then training/engine/loop.py
+    start(composed)           # inside @hydra.main: paths, validation, the files named, the resolved config, the loop
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ def precheck(argv: list[str]) -> None:
 
 
 def start(composed) -> None:
-    """Validate once, before any process group (exit 2 with one line per problem), then train."""
+    """Validate once and check the files the config names, before any process group (exit 2 with one line per
+    problem), then train."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
+    from training.config.paths import check_paths
     from training.config.validate import validate
     from training.engine.loop import run
     from training.parallel.dist import single_process_env
@@ -33,6 +35,7 @@ def start(composed) -> None:
     if cfg.checkpoint.dir is not None and not os.path.isabs(cfg.checkpoint.dir):
         cfg.checkpoint.dir = str(run_dir / cfg.checkpoint.dir)  # relative: inside the run dir
     layout = validate(cfg)
+    check_paths(cfg)  # python train.py alone refuses missing files too (the launch scripts checked them already)
     single_process_env()
     if os.environ.get("RANK", "0") == "0":
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -2,12 +2,13 @@
 
     result = train_step(state, streams, layout, cfg, device)   # StepResult(loss, grad_norm, skipped, extra)
 
-A step: zero the gradient buffers -> Megatron-Core's pipeline schedule (`get_forward_backward_func`: no
-pipelining, 1F1B, or interleaved 1F1B) runs forward and backward over this DP rank's micro-batches and
-calls `finalize_model_grads` (DP reduction, SP norm grads, tied-embedding grads, division by the global
-batch's token count) -> the LM loss reduced to the global-batch token mean and the extra losses to
-theirs -> the NaN/Inf checks of the loss and of every rank's gradients (bf16 has no loss scaler to catch a
-non-finite gradient, and clipping would spread it into every weight) -> `optimizer.step()` (clipping
+A step: zero the gradient buffers -> the token ids of the step's micro-batches checked against the vocabulary
+(training/data/batch_check.py: damaged data stops here, before any forward) -> Megatron-Core's pipeline
+schedule (`get_forward_backward_func`: no pipelining, 1F1B, or interleaved 1F1B) runs forward and backward over
+this DP rank's micro-batches and calls `finalize_model_grads` (DP reduction, SP norm grads, tied-embedding
+grads, division by the global batch's token count) -> the LM loss reduced to the global-batch token mean and
+the extra losses to theirs -> the NaN/Inf checks of the loss and of every rank's gradients (bf16 has no loss
+scaler to catch a non-finite gradient, and clipping would spread it into every weight) -> `optimizer.step()` (clipping
 inside) -> the scheduler step. A non-finite step stops the run or is skipped on every rank alike
 (train.nan_policy): the weights and the optimizer state never take it.
 """
@@ -24,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from models.spec import extra_stats
 from training.config.schema import Config, NanPolicy
+from training.data.batch_check import check_token_ids
 from training.engine.build import TrainState
 from training.engine.losses import extra_losses, global_loss, global_loss_sum, loss_func
 from training.errors import TemplateError
@@ -60,6 +62,7 @@ def forward_step(data_iterator, model):
 def run_schedule(state: TrainState, streams, layout: Layout, cfg: Config, forward_only: bool,
                  step=forward_step) -> list[dict]:
     """The pipeline schedule over one global batch; returns the last stage's per-micro-batch reports."""
+    check_token_ids(streams, layout.num_microbatches, state.shape.vocab_size, D.current_device())  # damaged data
     return get_forward_backward_func()(
         forward_step_func=step, data_iterator=streams, model=state.model,
         num_microbatches=layout.num_microbatches, seq_length=cfg.model.seq_length,
