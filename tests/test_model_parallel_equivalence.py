@@ -45,7 +45,7 @@ CASES = {
     "tp2-sp": ("llama", ["parallel.tp=2", "parallel.sp=true"], 2),
     "pp2-tied": ("llama", ["parallel.pp=2"], 2),
     "pp2-vpp2": ("llama", ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1"], 2),
-    "tp2-pp2": ("llama", ["parallel.tp=2", "parallel.pp=2"], 4),
+    # (tp2 x pp2 on 4 processes: tests/test_whole_step.py's tp2-pp2-vpp2, 3 steps, weights compared per tensor)
     "dp2-accumulate": ("llama", ["train.micro_batch_size=1"], 2),
     "tp2-recompute-full": ("llama", ["parallel.tp=2", "model.recompute=full"], 2),
     "tp2-sp-recompute-selective": ("llama", ["parallel.tp=2", "parallel.sp=true", "model.recompute=selective"], 2),
