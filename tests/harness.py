@@ -14,6 +14,7 @@ import faulthandler
 import io
 import os
 import queue
+import re
 import shutil
 import tempfile
 import time
@@ -96,3 +97,7 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 180.
     if failures:
         raise AssertionError(f"{fn.__name__} failed on {world_size} processes:\n" + "\n".join(failures))
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
+
+
+# A Python warning's line or a torch glog-style log line: what the tools must not print (training/shims/noise.py)
+TOOL_NOISE = re.compile(r"\w+Warning: |^[WEI]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import TOOL_NOISE
 from runs import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,7 @@ def evaluate(*args: str) -> dict:
     proc = subprocess.run([sys.executable, "tools/evaluate.py", "--json", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not TOOL_NOISE.search(proc.stdout + proc.stderr), proc.stderr  # quiet tools (checkpoint loading's notes)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -71,7 +73,8 @@ def test_compare_runs_draws_and_asserts(trained, tmp_path):
 
 
 def _metrics(path: Path, losses: dict[int, float]) -> str:
-    path.write_text("".join(json.dumps({"iteration": i, "loss": loss, "lr": 1e-3}) + "\n" for i, loss in losses.items()))
+    path.write_text("".join(json.dumps({"iteration": i, "loss": loss, "lr": 1e-3}) + "\n"
+                            for i, loss in losses.items()))
     return str(path)
 
 
@@ -100,3 +103,22 @@ def test_compare_runs_assert_close_at_its_tolerance(tmp_path, monkeypatch, capsy
         assert code == 1, out
         assert f"max relative loss difference 9.863e-04 (tolerance {rtol:g}): FAILED; b vs a at iteration 3: " \
                f"{2.0 * (1 + sign * 1.01 * rtol):.6f} vs 2.000000" in out, out
+
+
+def test_compare_runs_labels_runs_of_the_same_name_apart(tmp_path, monkeypatch, capsys):
+    """Two run directories (or their metrics.jsonl) with the same last component are labelled by their shortest
+    distinct path endings, a/run and b/run; a run given twice asks for --labels (exit 2)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import compare_runs
+
+    for name in ("a", "b"):
+        (tmp_path / name / "run").mkdir(parents=True)
+    a = _metrics(tmp_path / "a" / "run" / "metrics.jsonl", {1: 8.0})
+    b = _metrics(tmp_path / "b" / "run" / "metrics.jsonl", {1: 4.0})
+    assert compare_runs.default_labels([str(Path(a).parent), b, str(tmp_path / "c")]) == ["a/run", "b/run", "c"]
+    code = compare_runs.main([str(Path(a).parent), str(Path(b).parent), "--out", str(tmp_path / "c.png"),
+                              "--assert-close", "0.1"])
+    out = capsys.readouterr().out
+    assert code == 1 and "b/run vs a/run at iteration 1" in out, out
+    assert compare_runs.main([a, a, "--out", str(tmp_path / "c.png")]) == 2
+    assert "--labels" in capsys.readouterr().err

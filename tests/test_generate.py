@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import TOOL_NOISE, run_distributed
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +57,7 @@ def generate(ckpt: Path, *args: str, nproc: int = 1) -> list[dict]:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not TOOL_NOISE.search(proc.stdout + proc.stderr), proc.stderr  # quiet tools, workers included
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +151,59 @@ def test_plan_settings_are_checked():
         plan.parse_args(["plan.gpus=8"])
     with pytest.raises(ValueError, match="plan.gpu_mem_gb=big is not a number"):
         plan.parse_args(["plan.gpu_mem_gb=big"])
+
+
+def test_plan_cli_help_and_unknown_option():
+    """--help names the options, the overrides and the plan.* settings (exit 0); an unknown --flag is one line, 2."""
+    cmd = [sys.executable, str(ROOT / "tools/plan.py")]
+    done = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.startswith("usage: tools/plan.py"), done.stderr
+    assert all(word in done.stdout for word in ("--json", "Hydra overrides", "plan.gpus_per_node")), done.stdout
+    done = subprocess.run([*cmd, "--bogus", "model=tiny"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown option --bogus: "), lines
+
+
+def _multinode_needs() -> set[str]:
+    """What launch/multinode.sh needs set: the variables its header's per-node commands (`#   node 0:  A=1 ...
+    launch/multinode.sh`) set and those it stops without (`die "set X=<...>`)."""
+    text = (ROOT / "launch/multinode.sh").read_text()
+    nodes = [line.split("launch/multinode.sh")[0] for line in text.splitlines() if re.match(r"#\s+node \d+:", line)]
+    return {name for line in nodes for name in re.findall(r"\b([A-Z_]+)=", line)} | \
+        set(re.findall(r'die "set ([A-Z_]+)=', text))
+
+
+def _recommended(capsys, nodes: int) -> str:
+    plan = load_plan_module()
+    assert plan.run(["model=tiny", f"plan.nodes={nodes}", "plan.gpus_per_node=2", "optim.lr=3e-4"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("recommended (#1): ")]
+    return line.removeprefix("recommended (#1): ")
+
+
+def test_plan_multinode_command_sets_what_multinode_sh_needs(capsys):
+    """The recommended multi-node command sets every variable launch/multinode.sh needs, each node's and the
+    run's own as named <...> placeholders; one node: launch/train.sh."""
+    needs = _multinode_needs()
+    assert "NNODES" in needs and len(needs) > 1, needs  # the parse found the header's per-node commands
+    words = shlex.split(_recommended(capsys, 2))
+    env = dict(w.split("=", 1) for w in words[:words.index("launch/multinode.sh")])
+    assert needs <= env.keys() and env["NNODES"] == "2" and env["NPROC"] == "2", (needs, words)
+    assert env["NODE_RANK"] == "<0..1>" and all(env[k].startswith("<") for k in needs - {"NNODES"}), env
+    assert "model=tiny" in words and "optim.lr=3e-4" in words
+    one = shlex.split(_recommended(capsys, 1))
+    assert one[:2] == ["NPROC=2", "launch/train.sh"] and "model=tiny" in one, one
+
+
+def test_plan_multinode_command_runs_once_placeholders_are_filled(capsys):
+    """The printed command with its placeholders filled in, as a shell runs it (DRY_RUN=1: prints torchrun's)."""
+    line = _recommended(capsys, 2)
+    line = re.sub(r"<[^>]*>", "localhost", re.sub(r"<0\.\.\d+>", "0", line))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in ("RUN_ID", "RUN_DIR")}
+    done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**env, "DRY_RUN": "1", "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--nnodes 2 --nproc-per-node 2" in done.stdout and "--rdzv-id localhost" in done.stdout, done.stdout
 
 
 def _state_bytes(overrides: list[str], vocab_size: int) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,21 @@ def read_run(path: str) -> list[dict]:
     if not records:
         raise ConfigError(f"{file}: empty")
     return records
+
+
+def default_labels(paths: list[str]) -> list[str]:
+    """Each run's shortest path suffix that no other run ends with: a/run and b/run for two runs named run
+    (a metrics.jsonl stands for its directory; the same run twice stays the same label)."""
+    parts = []
+    for path in paths:
+        full = Path(os.path.abspath(path))  # normalises `..` without following links
+        parts.append((full.parent if full.name == "metrics.jsonl" else full).parts)
+    labels = []
+    for i, mine in enumerate(parts):
+        others = parts[:i] + parts[i + 1:]
+        k = next((k for k in range(1, len(mine)) if all(theirs[-k:] != mine[-k:] for theirs in others)), None)
+        labels.append("/".join(mine[-k:]) if k else str(Path(*mine)))
+    return labels
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -95,13 +111,15 @@ def run(argv: list[str]) -> int:
     ap.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
     ap.add_argument("--out", default="runs.png", help="the picture (PNG)")
     ap.add_argument("--labels", help="names for the runs, comma- (or, if a name has a comma, semicolon-) "
-                                     "separated (default: their directories)")
+                                     "separated (default: their directories' shortest distinct endings)")
     ap.add_argument("--assert-close", type=float, metavar="RTOL", help="exit 1 if losses differ by more than RTOL")
     args = ap.parse_args(argv)
     if args.labels:
         labels = args.labels.split(";" if ";" in args.labels else ",")
     else:
-        labels = [Path(r).name or r for r in args.runs]
+        labels = default_labels(args.runs)
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"a run given twice ({labels}): name them apart with --labels, e.g. --labels a,b")
     if len(labels) != len(args.runs) or len(set(labels)) != len(labels):
         raise ConfigError(f"--labels: {len(args.runs)} distinct names needed, got {labels}")
     runs = {label: read_run(path) for label, path in zip(labels, args.runs)}

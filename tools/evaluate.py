@@ -64,6 +64,7 @@ def text_windows(path: str, tokenizer, seq_length: int) -> list[dict]:
 
 
 def run(args) -> None:
+    quiet_known_noise()  # before Megatron-Core's imports warn, in every process
     import torch
     from megatron.core import parallel_state as ps
 
@@ -75,7 +76,6 @@ def run(args) -> None:
     from training.interop.generation import inference_config, load_model
     from training.parallel import dist as D
 
-    quiet_known_noise()
     cfg, shape, path = inference_config(args.ckpt, args.overrides, for_generation=False)
     run_json = json.loads((path / "run.json").read_text())
     if args.data:

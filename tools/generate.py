@@ -74,13 +74,13 @@ def prompts_of(args) -> list[str]:
 
 def run(args) -> None:
     """In every process (torchrun or a spawned worker)."""
+    quiet_known_noise()  # before Megatron-Core's imports warn
     import torch
 
     from training.data.tokenizer import build_tokenizer
     from training.interop.generation import Sampling, generate, inference_config, load_model, random_config
     from training.parallel import dist as D
 
-    quiet_known_noise()
     cfg, shape, path = inference_config(args.ckpt, args.overrides) if args.ckpt else random_config(args.overrides)
     world, p = int(os.environ.get("WORLD_SIZE", "1")), cfg.parallel
     if world != p.tp * p.pp:
@@ -104,12 +104,12 @@ def run(args) -> None:
 
         def on_step(step, picked):
             if stream:  # the text so far, minus what is already on the terminal
+                if not written:  # the prompt after the first forward: what it warns lands before the text
+                    print(texts[0], end="", flush=True)
                 before = spell(written)
                 written.append(int(picked[0]))
                 print(spell(written)[len(before):], end="", flush=True)
 
-        if stream:
-            print(texts[0], end="", flush=True)
         start = time.perf_counter()
         new_ids = generate(state, prompts, args.max_new_tokens, sampling, tokenizer.eod, info.device,
                            use_cache=not args.no_cache, on_step=on_step)

@@ -33,9 +33,11 @@ Ties go to the smaller memory total, so sp and dist_opt win when they are free.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
+import shlex
 import sys
 
 from training.shims.noise import quiet_known_noise
@@ -47,13 +49,30 @@ P2P_MESSAGE_S = 100e-6  # one pipeline send or receive: NCCL launch, the schedul
 DP_EXPOSED = 0.1  # share of the DP traffic not hidden behind the backward pass
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line (exit 2 through main), not argparse's usage + message
+        raise ValueError(f"{message} (see tools/plan.py --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """--json and --help; the other arguments are Hydra overrides and plan.* settings (the docstring's)."""
+    parts = __doc__.split("\n\n")
+    ap = _Parser(prog="tools/plan.py", usage="%(prog)s [-h] [--json] [KEY=VALUE ...] [plan.SETTING=VALUE ...]",
+                 description=parts[0], epilog="\n\n".join(parts[1:3]), allow_abbrev=False,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print every layout as JSON instead of the table")
+    return ap
+
+
 def parse_args(argv: list[str]) -> tuple[dict, list[str], bool]:
-    """(plan settings, Hydra overrides, --json) from the command line; ValueError names a bad setting."""
-    settings, overrides, as_json = dict(PLAN_DEFAULTS), [], False
-    for arg in argv:
-        if arg == "--json":
-            as_json = True
-        elif arg.startswith("plan."):
+    """(plan settings, Hydra overrides, --json) from the command line; ValueError names a bad option or setting."""
+    args, rest = parser().parse_known_args(argv)
+    settings, overrides = dict(PLAN_DEFAULTS), []
+    for arg in rest:
+        if arg.startswith("-"):
+            raise ValueError(f"unknown option {arg}: tools/plan.py takes --json and --help; the other arguments "
+                             f"are Hydra overrides (key=value) and plan.* settings")
+        if arg.startswith("plan."):
             key, _, value = arg[len("plan."):].partition("=")
             if key not in PLAN_DEFAULTS:
                 known = ", ".join(f"plan.{k}" for k in PLAN_DEFAULTS)
@@ -73,7 +92,7 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str], bool]:
                     raise ValueError(f"plan.{key}={value} must be > 0")
         else:
             overrides.append(arg)
-    return settings, overrides, as_json
+    return settings, overrides, args.json
 
 
 def divisors(n: int) -> list[int]:
@@ -223,6 +242,16 @@ def plan(settings: dict, overrides: list[str]) -> tuple[list[dict], str]:
     return rows, header
 
 
+def command(settings: dict, overrides: list[str], layout: str) -> str:
+    """The launch command as the shell takes it: one node, or every node's with what launch/multinode.sh needs
+    set in front, its placeholders in <...> (the shell refuses them until they are filled in)."""
+    nodes, nproc = settings["nodes"], settings["gpus_per_node"]
+    launcher = "launch/train.sh" if nodes == 1 else (
+        f"NNODES={nodes} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<node-0-address> RUN_ID=<run-name> "
+        f"launch/multinode.sh")
+    return " ".join([f"NPROC={nproc}", launcher, *map(shlex.quote, overrides + layout.split())])
+
+
 def run(argv: list[str]) -> int:
     quiet_known_noise()
     settings, overrides, as_json = parse_args(argv)
@@ -234,11 +263,11 @@ def run(argv: list[str]) -> int:
     print(f"{header}\n{len(rows)} layouts, {fitting} fit; best {min(settings['top'], len(rows))}:\n")
     print(table(rows, settings["top"]))
     best = rows[0]
-    user = " ".join(overrides)
     if best["recommended"]:
-        launcher = "launch/train.sh" if settings["nodes"] == 1 else f"NNODES={settings['nodes']} launch/multinode.sh"
-        print(f"\nrecommended (#1): NPROC={settings['gpus_per_node']} {launcher} {user} {best['overrides']}"
-              .replace("  ", " "))
+        print(f"\nrecommended (#1): {command(settings, overrides, best['overrides'])}")
+        if settings["nodes"] > 1:
+            print(f"on each of the {settings['nodes']} nodes with its own NODE_RANK (0 on the node MASTER_ADDR names), "
+                  f"the same RUN_ID everywhere (launch/multinode.sh; launch/slurm.sbatch sets them under SLURM)")
     else:
         print(f"\nnothing fits: the smallest needs {min(r['mem_gb']['total'] for r in rows):.1f} GB per GPU; add "
               f"GPUs (plan.nodes), lower train.micro_batch_size or model.seq_length, or use larger GPUs")
