@@ -16,7 +16,9 @@ export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 # NCCL's flight recorder: the last 2000 collectives of every rank, dumped (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE,
 # /tmp/nccl_trace_rank_<n> by default) when a collective times out: which rank never joined which collective.
-export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
+# (TORCH_FR_BUFFER_SIZE: the name the pinned torch reads; its old name TORCH_NCCL_TRACE_BUFFER_SIZE, which an
+# older container's torch reads, makes every rank print a deprecation line: set it yourself for such a torch.)
+export TORCH_FR_BUFFER_SIZE="${TORCH_FR_BUFFER_SIZE:-${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}"
 export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
 # Growable allocator segments: activations of varying sizes fragment memory less (fewer OOMs near
 # the limit that the planner's estimate assumes reachable).
@@ -58,70 +60,205 @@ check_config() {
   WORLD_SIZE="$world" "$PYTHON" tools/check_config.py ${port:+--port "$port"} "$@"
 }
 
-# run_or_print COMMAND...: DRY_RUN=1 prints the exact command (shell-quoted); otherwise runs torchrun,
-# relays signals and exits with its status. SIGUSR1 (SLURM's pre-timeout warning, launch/slurm.sbatch;
-# docker --init passes it here) and SIGTERM / SIGINT (a scheduler's stop, Ctrl-C) go to torchrun's workers,
-# which checkpoint and exit 0 (training/engine/stopping.py); torchrun then ends on its own, without the
-# SignalException traceback it prints when signalled itself, so it runs in its own session (a terminal's
-# Ctrl-C reaches this script only) and ignores SIGUSR1. After a SIGTERM / SIGINT stop one line says where
-# the run stopped and how to resume (stop_summary), exit 0; after a failure one line names the rank that
-# died (failure_summary), exit torchrun's status. The caller sets RESUME_CMD (the command that resumes).
+# override_value KEY ARGS...: the value the last KEY=... (or +KEY=, ++KEY=) among the Hydra overrides ARGS sets
+# (Hydra's last one wins), empty if none.
+override_value() {
+  local key="$1" arg value=""
+  shift
+  for arg in "$@"; do
+    case "$arg" in "$key="* | "+$key="* | "++$key="*) value="${arg#*=}" ;; esac
+  done
+  printf '%s' "$value"
+}
+
+# What torchrun writes passes through two awk filters (mawk reads a pipe in blocks unless -W interactive).
+# They show everything as it comes except torchrun's own report: its traceback when signalled
+# (SignalException) or when a rank failed (ChildFailedError and the failures block) and its "Sending process
+# ... closing signal" / "failed (exitcode ...)" lines; and note for the summary, as they happen, in NOTES:
+# `sig N` (torchrun got signal N), `fail RANK CODE ROOT` (torchrun's report; ROOT=1: its "first observed"),
+# `restart`, `err LINE` (the ranks' `error: ...` lines; `errs` starts a block), `out` (a line after them),
+# `rundir DIR` and `stop N` (rank 0's "run dir:" and "stopping at iteration N" lines, stdout).
+AWK=(awk)
+awk -W version 2>/dev/null | grep -q mawk && AWK=(awk -W interactive)
+# shellcheck disable=SC2016  # awk programs: $0 is awk's
+STDERR_FILTER='
+function note(s) { print s >> notes; fflush(notes) }
+function show(line) {
+  print line; fflush()
+  if (line ~ /^error: /) { if (!inerr) note("errs"); note("err " line); inerr = 1; after = 0 }
+  else if (inerr || !after) { if (inerr) note("out"); inerr = 0; after = 1 }
+}
+function flush_held(  i) { for (i = 1; i <= held; i++) show(hold[i]); held = 0 }
+mode == "" && /^Traceback \(most recent call last\):$/ { mode = "tb"; held = 0; hold[++held] = $0; next }
+mode == "tb" {
+  hold[++held] = $0
+  if ($0 ~ /^  File "<frozen runpy>"/) next
+  if ($0 ~ /^  File ".*torch\/distributed\/run\.py"/) { mode = "torchrun"; next }
+  mode = ""; flush_held(); next  # a rank'"'"'s traceback: shown
+}
+mode == "torchrun" {
+  if ($0 ~ /^[ \t]/ || $0 == "") { hold[++held] = $0; next }
+  if ($0 ~ /SignalException: .* got signal: [0-9]+$/) { note("sig " $NF); mode = ""; held = 0; next }
+  if ($0 ~ /ChildFailedError:/) { mode = "report"; root = 0; held = 0; next }
+  hold[++held] = $0; mode = ""; flush_held(); next  # torchrun failed itself (rendezvous, ...): shown
+}
+mode == "report" {
+  if ($0 ~ /^Root Cause/) root = 1
+  else if ($1 == "rank" && $2 == ":") rank = $3
+  else if ($1 == "exitcode" && $2 == ":") note("fail " rank " " $3 " " root)
+  else if (root && $0 ~ /^=+$/) mode = ""
+  next
+}
+/\] Sending process [0-9]+ closing signal / || /\] failed \(exitcode: -?[0-9]+\) local_rank: / { next }
+/\] Received .* death signal, shutting down workers/ { next }
+/will restart worker group/ { note("restart") }
+{ show($0) }
+END { flush_held() }'
+# shellcheck disable=SC2016
+STDOUT_WATCH='
+{ print; fflush() }
+/^run dir: / { print "rundir " substr($0, 10) >> notes; fflush(notes) }
+/^stopping at iteration [0-9]+: / { sub(/:$/, "", $4); print "stop " $4 >> notes; fflush(notes) }'
+
+# run_or_print COMMAND...: DRY_RUN=1 prints the exact command (shell-quoted); otherwise runs torchrun in its own
+# session (a terminal's Ctrl-C reaches this script only), its output through the filters above, and ends with one
+# summary line and the exit code (docs/faults.md):
+# - a stop: SIGTERM / SIGINT to this script (relayed to torchrun's workers) or to torchrun itself (it relays to
+#   them), or both at once (SLURM signals every process of the step): the workers checkpoint and exit 0
+#   (training/engine/stopping.py); stop_summary says where and how to resume; exit 0 for a clean stop.
+# - a failure: failure_summary names the rank that failed first; exit 2 / 3 when that rank exited 2 (the user's
+#   error, whose `error:` lines are then the last before the summary) / 3 (watchdog), else torchrun's status.
+# SIGUSR1 (SLURM's pre-timeout warning, launch/slurm.sbatch) is relayed to the workers; torchrun and the filters
+# ignore it. The caller sets RUN_DIR and RESUME_CMD (the command that resumes).
 run_or_print() {
   if [ "${DRY_RUN:-0}" = "1" ]; then
     printf '%q ' "$@"
     echo
     return
   fi
-  local errlog status=0 stopped=""
-  errlog=$(mktemp)
-  trap '' USR1  # inherited by torchrun; the workers install their own handler
-  $(command -v setsid || true) "$@" 2> >(tee "$errlog" >&2) &
+  local status=0 stopped="" out_fd err_fd out_pid err_pid sig
+  NOTES=$(mktemp)
+  trap '' USR1  # inherited by the filters and torchrun; the workers install their own handler
+  exec {out_fd}> >(trap '' TERM INT; exec "${AWK[@]}" -v notes="$NOTES" "$STDOUT_WATCH")
+  out_pid=$!
+  exec {err_fd}> >(trap '' TERM INT; exec "${AWK[@]}" -v notes="$NOTES" "$STDERR_FILTER" >&2)
+  err_pid=$!
+  $(command -v setsid || true) "$@" 1>&"$out_fd" 2>&"$err_fd" &
   launched=$!
+  exec {out_fd}>&- {err_fd}>&-
   trap 'pkill -USR1 -P "$launched" || true' USR1
-  trap 'stopped=TERM; pkill -TERM -P "$launched" || true' TERM
-  trap 'stopped=INT; pkill -TERM -P "$launched" || true' INT
+  # no workers yet (torchrun in its rendezvous): to torchrun, which then ends (SignalException, filtered)
+  trap 'stopped=TERM; pkill -TERM -P "$launched" || kill -TERM "$launched" 2>/dev/null || true' TERM
+  trap 'stopped=INT; pkill -TERM -P "$launched" || kill -TERM "$launched" 2>/dev/null || true' INT
   wait "$launched" || status=$?
   while kill -0 "$launched" 2>/dev/null; do  # a relayed signal interrupted wait: wait on
     status=0
     wait "$launched" || status=$?
   done
-  sleep 0.2  # tee's last lines
-  if [ -n "$stopped" ] && [ "$status" = 0 ]; then
-    stop_summary "$stopped"
+  for _ in $(seq 100); do  # the filters' last lines (up to 10 s: an orphan may hold the pipe open)
+    kill -0 "$out_pid" 2>/dev/null || kill -0 "$err_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  summary_status=$status
+  sig=$(note sig)
+  [ -n "$sig" ] && stopped=${stopped:-$(kill -l "$sig")}  # torchrun itself was signalled
+  if [ -n "$stopped" ] && { [ "$status" = 0 ] || [ -n "$sig" ]; }; then
+    stop_summary "$stopped" "$status"
   elif [ "$status" != 0 ]; then
-    failure_summary "$errlog" "$status"
+    failure_summary "$status"
   fi
-  rm -f "$errlog"
+  status=$summary_status
+  rm -f "$NOTES"
   exit "$status"
 }
 
-# stop_summary SIGNAL: the checkpoint a signalled stop left and the command that resumes from it.
+# note KEY: the last value noted for KEY (empty if none).
+note() {
+  awk -v key="$1" '$1 == key { sub(/^[^ ]+ ?/, ""); v = $0 } END { printf "%s", v }' "$NOTES"
+}
+
+# run_dir: the run dir rank 0 reported (Hydra's, absolute), else the one the launch script passed.
+run_dir() {
+  local dir
+  dir=$(note rundir)
+  echo "${dir:-$RUN_DIR}"
+}
+
+# checkpoint_dir RUN_DIR: where the run saves (checkpoint.dir of the config rank 0 wrote, absolute; empty when
+# checkpoint.dir is null), else RUN_DIR/checkpoints.
+checkpoint_dir() {
+  local dir=""
+  [ -f "$1/config.yaml" ] && dir=$(awk '/^checkpoint:/ {c = 1; next} /^[^ ]/ {c = 0}
+    c && $1 == "dir:" {sub(/^ *dir: */, ""); gsub(/^['"'"'"]|['"'"'"]$/, ""); print; exit}' "$1/config.yaml")
+  [ "$dir" = null ] && return
+  echo "${dir:-$1/checkpoints}"
+}
+
+# newest_checkpoint CHECKPOINT_DIR: the name `latest` gives (empty if none).
+newest_checkpoint() {
+  [ -n "$1" ] && [ -f "$1/latest" ] && cat "$1/latest"
+  true
+}
+
+# stop_summary SIGNAL STATUS: where a signalled stop left the run. Exit (summary_status) 0 when the ranks
+# stopped cleanly (a checkpoint at the stop, unless checkpoint.dir is null); 128 + the signal when torchrun was
+# signalled and they did not (killed after torchrun's --shutdown-timeout, 30 s).
 stop_summary() {
-  local latest="$RUN_DIR/checkpoints/latest"
-  if [ -f "$latest" ]; then
-    local name
-    name=$(cat "$latest")
-    echo "stopped by SIG$1 at iteration $((10#${name#iter_})): checkpoint $RUN_DIR/checkpoints/$name saved;" \
-         "resume with: RUN_DIR=$RUN_DIR ${RESUME_CMD:-the same command}"
+  local dir ckpts latest at clean=0
+  dir=$(run_dir)
+  ckpts=$(checkpoint_dir "$dir")
+  latest=$(newest_checkpoint "$ckpts")
+  at=$(note stop)
+  if [ -z "$at" ] && [ "$2" = 0 ] && [ -n "$latest" ]; then at=$((10#${latest#iter_})); fi
+  [ -n "$at" ] && { [ -z "$ckpts" ] || { [ -n "$latest" ] && [ "$((10#${latest#iter_}))" = "$at" ]; }; } && clean=1
+  summary_status=$([ "$clean" = 1 ] || [ "$2" = 0 ] && echo 0 || echo $((128 + $(kill -l "$1"))))
+  if [ "$clean" = 1 ] && [ -n "$ckpts" ]; then
+    echo "stopped by SIG$1 at iteration $at: checkpoint $ckpts/$latest saved; resume with: RUN_DIR=$dir" \
+         "${RESUME_CMD:-the same command}"
+  elif [ "$clean" = 1 ]; then
+    echo "stopped by SIG$1 at iteration $at; run dir $dir (checkpoint.dir is null: no checkpoint)"
+  elif [ -n "$latest" ]; then
+    echo "stopped by SIG$1 before a checkpoint at the stop was saved; run dir $dir; the newest checkpoint:" \
+         "$ckpts/$latest; resume with: RUN_DIR=$dir ${RESUME_CMD:-the same command}"
   else
-    echo "stopped by SIG$1 before any checkpoint was saved (none in $RUN_DIR/checkpoints)"
+    echo "stopped by SIG$1 before any checkpoint was saved; run dir $dir (no checkpoint in ${ckpts:-it})"
   fi
 }
 
-# failure_summary TORCHRUN_STDERR STATUS: one line naming the failed rank, from torchrun's report: a rank
-# killed by a signal first (its peers then fail too, on the broken connection), else the root cause.
+# failure_summary STATUS: one line naming the rank that failed first, from torchrun's report (the ranks it
+# stopped itself, by SIGTERM, last; a rank that exited 2, the user's error, or was killed by another signal
+# first; then torchrun's own "first observed"), the run dir, the newest checkpoint and, only if there is one,
+# the command that resumes from it. Exit (summary_status) 2 or 3 when that rank exited so, else STATUS.
 failure_summary() {
-  local rank code restarts latest="$RUN_DIR/checkpoints/latest" how="" failed
-  # "rank code" per failed worker of the last report, a killed one (negative code) first
-  failed=$(awk '/^ *rank *:/ {r=$3} /^ *exitcode *:/ {print r, $3}' "$1" | sort -k2,2n | head -n 1)
-  rank=${failed%% *}
-  code=${failed##* }
-  restarts=$(grep -c "will restart worker group" "$1" || true)
-  case "${code:-}" in -*) how=" (killed by signal ${code#-})" ;; esac
-  echo "error: training failed: rank ${rank:-?} exited with code ${code:-$2}$how, after $restarts of" \
-       "MAX_RESTARTS=${MAX_RESTARTS:-0} restart(s); the newest checkpoint:" \
-       "$([ -f "$latest" ] && echo "$RUN_DIR/checkpoints/$(cat "$latest")" || echo none);" \
-       "the same command resumes from it" >&2
+  local first rank code how="" dir ckpts latest restarts where
+  first=$(awk '$1 == "fail" { c = $3 + 0; k = (c == 2) ? 0 : (c < 0 && c != -15) ? 1 : (c != -15) ? 2 : 3
+                             k = 2 * k + ($4 == 1 ? 0 : 1); if (best == "" || k < best) { best = k; f = $2 " " $3 } }
+                END { print f }' "$NOTES")
+  rank=${first% *}
+  code=${first#* }
+  case "$code" in
+    -*) how=" (killed by signal ${code#-})" ;;
+    2) how=" (the user's error)"
+       if grep -q '^err ' "$NOTES"; then how=" (the user's error, above)"; fi ;;
+    3) how=" (the watchdog: a stalled rank)" ;;
+  esac
+  summary_status=$([ "$code" = 2 ] || [ "$code" = 3 ] && echo "$code" || echo "$1")
+  if [ "$code" = 2 ] && grep -qx out "$NOTES"; then  # later lines hid the error: say it again, last
+    awk '$1 == "errs" {n = 0} $1 == "err" {sub(/^err /, ""); e[++n] = $0} END {for (i = 1; i <= n; i++) print e[i]}' \
+        "$NOTES" >&2
+  fi
+  dir=$(run_dir)
+  ckpts=$(checkpoint_dir "$dir")
+  latest=$(newest_checkpoint "$ckpts")
+  restarts=$(grep -cx restart "$NOTES" || true)
+  if [ -n "$latest" ]; then
+    where="the newest checkpoint: $ckpts/$latest; resume with: RUN_DIR=$dir ${RESUME_CMD:-the same command}"
+  else
+    where="the newest checkpoint: none $([ -n "$ckpts" ] && echo "in $ckpts" || echo "(checkpoint.dir is null)")"
+  fi
+  echo "error: training failed: $([ -n "$rank" ] && echo "rank $rank exited with code $code$how, the first to fail" ||
+       echo "torchrun exited with code $1"), after $restarts of MAX_RESTARTS=${MAX_RESTARTS:-0} restart(s);" \
+       "run dir $dir; $where" >&2
 }
 
 # exec_or_print COMMAND...: DRY_RUN=1 prints the exact command; otherwise replaces this shell with it

@@ -17,7 +17,7 @@
 #   RUN_ID       the run's name: the same on every node and across restarts (default: SLURM_JOB_ID)
 #   RUN_DIR      run dir on storage every node sees (default: outputs/run-$RUN_ID): the config, metrics
 #                and checkpoints go there, and a relaunch with the same RUN_DIR resumes (checkpoint.load=auto).
-#                Never derived from a clock: each node's would differ.
+#                Never derived from a clock: each node's would differ. A hydra.run.dir=... override wins.
 #   LOCAL_ADDR   this node's address as the others reach it (default: its FQDN, torch's choice)
 #   MAX_RESTARTS times torchrun restarts every rank of the job after one dies (default 0): each restart
 #                resumes from the newest complete checkpoint in RUN_DIR
@@ -34,6 +34,8 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 NPROC="${NPROC:-$(default_nproc)}"
 RUN_ID="${RUN_ID:-${SLURM_JOB_ID:-}}"
+run_dir_override="$(override_value hydra.run.dir "$@")"  # the user's hydra.run.dir=... wins (Hydra's last)
+RUN_DIR="${run_dir_override:-${RUN_DIR:-}}"
 if [ -z "$RUN_ID" ]; then
   [ -n "${RUN_DIR:-}" ] || die "set RUN_ID=<name> or RUN_DIR=<shared dir>, the same on every node" \
                                "(no SLURM_JOB_ID to name the run)"

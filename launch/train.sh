@@ -8,7 +8,8 @@
 #
 # Knobs (environment):
 #   NPROC        processes on this node (default: number of GPUs, or 2 without GPUs)
-#   RUN_DIR      run directory shared by all ranks (default: outputs/<date>/<time>)
+#   RUN_DIR      run directory shared by all ranks (default: outputs/<date>/<time>; a hydra.run.dir=...
+#                override wins)
 #   MASTER_PORT  rendezvous port (default: a free one)
 #   MAX_RESTARTS times torchrun restarts every rank after one dies (default 0); each restart resumes from the
 #                newest complete checkpoint (checkpoint.load=auto)
@@ -21,7 +22,8 @@ cd "$(dirname "$0")/.."
 source launch/common.sh
 
 NPROC="${NPROC:-$(default_nproc)}"
-RUN_DIR="${RUN_DIR:-outputs/$(date +%Y-%m-%d/%H-%M-%S)}"  # one clock read: no midnight split
+run_dir_override="$(override_value hydra.run.dir "$@")"  # the user's hydra.run.dir=... wins (Hydra's last)
+RUN_DIR="${run_dir_override:-${RUN_DIR:-outputs/$(date +%Y-%m-%d/%H-%M-%S)}}"  # one clock read: no midnight split
 MASTER_PORT="${MASTER_PORT:-$(free_port)}"
 
 require_uint NPROC MASTER_PORT

@@ -77,9 +77,10 @@ def test_without_restarts_the_failure_names_the_dead_rank(tmp_path):
     output, _ = job.communicate(timeout=300)
     assert job.returncode != 0
     summary = output.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: training failed: rank [01] exited with code -9 \(killed by signal 9\), after 0 of "
-                        r"MAX_RESTARTS=0 restart\(s\); the newest checkpoint: none; the same command resumes from it",
-                        summary), summary
+    where = re.escape(str(tmp_path))
+    assert re.fullmatch(rf"error: training failed: rank [01] exited with code -9 \(killed by signal 9\), the first to "
+                        rf"fail, after 0 of MAX_RESTARTS=0 restart\(s\); run dir {where}; the newest checkpoint: none "
+                        rf"in {where}/checkpoints", summary), summary
 
 
 def test_sigterm_to_the_launcher_stops_with_a_checkpoint_and_one_line(tmp_path):
@@ -167,8 +168,8 @@ def test_a_failing_save_never_becomes_latest(policy, tmp_path):
     assert (checkpoints / "latest").read_text().strip() == "iter_0000002"
     assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000002"]  # the failed ones removed
     if policy == "stop":
-        assert results[0] == results[1] and results[0].startswith(f"error: saving checkpoint {checkpoints}/iter_0000004 "
-                                                                   f"failed on 2 rank(s) (OSError: [Errno 28] No space")
+        assert results[0] == results[1] and results[0].startswith(
+            f"error: saving checkpoint {checkpoints}/iter_0000004 failed on 2 rank(s) (OSError: [Errno 28] No space")
         assert "latest stays iter_0000002: stopping (checkpoint.on_save_error=stop" in results[0]
         assert max(losses(tmp_path)) == 4
     else:
