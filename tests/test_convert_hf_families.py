@@ -81,9 +81,8 @@ def _mapping_round_trips() -> dict:
                 shapes[f"model.layers.{i}.{name}.weight"] = (rows, cols)
                 if bias or (qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")):
                     shapes[f"model.layers.{i}.{name}.bias"] = (rows,)
-            if qk_norm:
-                shapes[f"model.layers.{i}.self_attn.q_norm.weight"] = shapes[f"model.layers.{i}.self_attn.k_norm.weight"] \
-                    = (hn,)
+            for name in ("q_norm", "k_norm") if qk_norm else ():
+                shapes[f"model.layers.{i}.self_attn.{name}.weight"] = (hn,)
             for name in ("input_layernorm", "post_attention_layernorm"):
                 shapes[f"model.layers.{i}.{name}.weight"] = (h,)
         hf = {name: torch.randn(shape) for name, shape in shapes.items()}

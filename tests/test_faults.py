@@ -1,7 +1,8 @@
 """Surviving faults: a killed rank restarts the job (MAX_RESTARTS) and resumes exactly; a NaN gradient on one
 rank never reaches the weights (stop or skip, on every rank alike); a stalled rank is named by the watchdog
-and no rank hangs; a SIGTERM to the launcher stops with one summary line; a failing save never becomes
-latest; a checkpoint whose pickles would run code is refused. (Bad data: tests/test_data.py.)"""
+and no rank hangs; a failing save never becomes latest; a checkpoint whose pickles would run code is refused.
+(Signals to the launcher, torchrun or the whole job: tests/test_launch_summary.py; bad data: tests/test_data.py,
+tests/test_user_inputs.py.)"""
 
 import json
 import os
@@ -81,21 +82,6 @@ def test_without_restarts_the_failure_names_the_dead_rank(tmp_path):
     assert re.fullmatch(rf"error: training failed: rank [01] exited with code -9 \(killed by signal 9\), the first to "
                         rf"fail, after 0 of MAX_RESTARTS=0 restart\(s\); run dir {where}; the newest checkpoint: none "
                         rf"in {where}/checkpoints", summary), summary
-
-
-def test_sigterm_to_the_launcher_stops_with_a_checkpoint_and_one_line(tmp_path):
-    job = launch(tmp_path, "train.iters=100000")
-    wait_for_lines(tmp_path / "metrics.jsonl", 3)
-    job.send_signal(signal.SIGTERM)  # what SLURM, Kubernetes or a person send to the launcher
-    output, _ = job.communicate(timeout=300)
-    assert job.returncode == 0, output[-3000:]  # a clean stop that can resume (README: exit codes)
-    assert "Traceback" not in output and "SignalException" not in output
-    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
-    stopped_at = int(latest.removeprefix("iter_"))
-    assert output.strip().splitlines()[-1] == (
-        f"stopped by SIGTERM at iteration {stopped_at}: checkpoint {tmp_path}/checkpoints/{latest} saved; resume "
-        f"with: RUN_DIR={tmp_path} launch/train.sh {' '.join(QUICK)} train.iters=100000")
-    assert stopped_at == max(losses(tmp_path))
 
 
 NAN = FAULTY + ["train.iters=6", "train.save_interval=2", "checkpoint.keep=0"]

@@ -79,9 +79,14 @@ def _at_tp2(root: str, tokens: torch.Tensor) -> dict:
     """Two processes: each family's logits at tp2 (and its other layouts), greedy decoding at tp2, then 3 steps
     of fine-tuning at its training layout, saved for export."""
     from megatron.core import parallel_state
-
     from runs import QUICK, _train
-    from training.interop.generation import Sampling, generate, inference_config, load_model
+
+    from training.interop.generation import (
+        Sampling,
+        generate,
+        inference_config,
+        load_model,
+    )
     from training.parallel import dist as D
 
     jobs = [(f"{name} {' '.join(extra) or 'tp2'}", f"{root}/conf", f"{root}/ckpt_{name}", [f"model=hf_{name}", *extra])

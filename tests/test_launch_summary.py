@@ -1,9 +1,9 @@
 """How launch/train.sh ends, as the user sees it (docs/faults.md): a user's error found while training (a NaN
 with train.nan_policy=stop) ends with that `error:` line and one summary line naming the rank that failed first,
-the run dir given by hydra.run.dir and the checkpoint to resume from, exit 2; a SIGTERM to torchrun alone, or to
-every process of the job at once (what SLURM does on preemption or scancel), stops with a checkpoint, one line
-naming it, exit 0. Never torchrun's ChildFailedError report or a traceback. The three jobs run at once (a 2-core
-machine starts them about as fast as one after another) and each waits on files, never on a fixed sleep.
+the run dir given by hydra.run.dir and the checkpoint to resume from, exit 2; a SIGTERM to the launch script, to
+torchrun alone, or to every process of the job at once (what SLURM does on preemption or scancel), stops with a
+checkpoint, one line naming it, exit 0. Never torchrun's ChildFailedError report or a traceback. The jobs run at
+once (a 2-core machine starts them about as fast as one after another) and each waits on files, never on a fixed sleep.
 Two fast cases feed the launcher a recorded torchrun report from a stand-in: the races a real run cannot force
 (a rank's error followed by a peer's traceback; a killed rank that torchrun did not see fail first).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from runs import QUICK
+from runs import QUICK, losses
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 300  # seconds for a job to start training, and again to end: generous on a loaded 2-core machine
@@ -149,14 +149,15 @@ def finish(job: subprocess.Popen, log: Path) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """{case: (exit code, output, run dir, the launch command's overrides)} of the three jobs, run at once."""
+    """{case: (exit code, output, run dir, the launch command's overrides)} of the four jobs, run at once."""
     tmp = tmp_path_factory.mktemp("summary")
-    started = {"error": launch(tmp, "error", NAN_STOP, **FAULTY_NAN),
+    started = {"error": launch(tmp, "error", NAN_STOP, **FAULTY_NAN), "launcher": launch(tmp, "launcher", ENDLESS),
                "torchrun": launch(tmp, "torchrun", ENDLESS), "job": launch(tmp, "job", ENDLESS)}
-    overrides = {"error": NAN_STOP, "torchrun": ENDLESS, "job": ENDLESS}
+    overrides = {"error": NAN_STOP, "launcher": ENDLESS, "torchrun": ENDLESS, "job": ENDLESS}
     try:
-        for case in ("torchrun", "job"):
+        for case in ("launcher", "torchrun", "job"):
             wait_until_training(*started[case])
+        started["launcher"][0].send_signal(signal.SIGTERM)  # the launch script alone (a person, Kubernetes)
         torchrun_of(started["torchrun"][0]).send_signal(signal.SIGTERM)  # torchrun alone
         job = started["job"][0]
         tree = psutil.Process(job.pid).children(recursive=True)
@@ -203,15 +204,17 @@ def test_a_users_error_while_training_is_the_last_word_exit_2(jobs):
     assert not (tmp / "default").exists()
 
 
-@pytest.mark.parametrize("case", ["torchrun", "job"])
+@pytest.mark.parametrize("case", ["launcher", "torchrun", "job"])
 def test_sigterm_to_torchrun_or_to_the_whole_job_stops_with_a_checkpoint_exit_0(jobs, case):
-    """`torchrun`: SIGTERM to torchrun alone (it relays it to the ranks); `job`: to the launch script's process
-    group and to every process of the job at once, torchrun and the ranks included (SLURM's preemption)."""
+    """`launcher`: SIGTERM to the launch script alone (it relays it to the ranks); `torchrun`: to torchrun alone;
+    `job`: to the launch script's process group and to every process of the job at once, torchrun and the ranks
+    included (SLURM's preemption). The checkpoint is at the last iteration trained."""
     results, tmp = jobs
     code, output, run_dir, overrides = results[case]
     assert code == 0, output[-4000:]
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.removeprefix("iter_"))
+    assert stopped_at == max(losses(run_dir))  # the checkpoint is at the last iteration trained
     assert re.search(rf"^stopping at iteration {stopped_at}: (received SIGTERM|a peer rank received a stop "
                      rf"signal)$", output, re.M), output[-4000:]
     assert output.strip().splitlines()[-1] == (f"stopped by SIGTERM at iteration {stopped_at}: checkpoint "
