@@ -1,7 +1,7 @@
 """tools/generate.py and the KV cache (models/kv_cache.py): greedy decoding of an imported Hugging Face Llama
 equals transformers' generate() token for token (two prompts of different lengths in one batch, at TP1 and PP2;
-TP2: tests/test_hf_families.py for Llama 3, Qwen2, Qwen3 and Qwen3-MoE); logits with the cache equal a full recompute at every step; seeded sampling is reproducible and
-the same at TP1 and TP2."""
+TP2: tests/test_hf_families.py for Llama 3, Qwen2, Qwen3 and Qwen3-MoE); logits with the cache equal a full
+recompute at every step; seeded sampling is reproducible and the same at TP1 and TP2."""
 
 import json
 import os
