@@ -2,6 +2,7 @@
 call this).
 
     WORLD_SIZE=4 python tools/check_config.py parallel.tp=2 parallel.pp=2
+    python tools/check_config.py --nproc 4 parallel.tp=2 parallel.pp=2   # the same
     python tools/check_config.py --port 29500 ...   # also check the rendezvous port is free
 
 Prints one summary line and exits 0, or one line per problem (`error: ...`) and exits 2.
@@ -23,13 +24,19 @@ def check(argv: list[str]) -> None:
     from training.parallel.spawn import port_problem
     from training.shims.cpu_compat import check_mcore_version
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     epilog="The other arguments are Hydra overrides (key=value).")
+    parser.add_argument("--nproc", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                        help="processes in the job (default: $WORLD_SIZE, else 1)")
     parser.add_argument("--port", type=int, default=None, help="rendezvous port that must be free")
     args, overrides = parser.parse_known_args(argv)
+    if flags := [a for a in overrides if a.startswith("-")]:
+        raise LaunchError(f"unknown option {flags[0]}: tools/check_config.py takes --nproc and --port; the other "
+                          f"arguments are Hydra overrides (key=value)")
     quiet_known_noise()
     check_mcore_version()
     cfg = compose(overrides)
-    layout = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    layout = validate(cfg, args.nproc)
     check_paths(cfg)  # the files it names: data.paths, data.tokenizer, checkpoint.load
     if args.port is not None and (problem := port_problem(args.port)):
         raise LaunchError(problem)
