@@ -11,7 +11,7 @@
 #   NNODES       nodes in the job (default: SLURM_NNODES, else 1)
 #   NODE_RANK    this node, 0..NNODES-1 (default: SLURM_NODEID, else 0); node 0 hosts the rendezvous.
 #                Global ranks follow the rendezvous' order, not NODE_RANK.
-#   MASTER_ADDR  node 0's address, reachable from every node (default: 127.0.0.1, i.e. one machine)
+#   MASTER_ADDR  node 0's address, reachable from every node (required with NNODES > 1; 127.0.0.1 for one machine)
 #   MASTER_PORT  rendezvous port on node 0, the same on every node (default: 29500, torch's)
 #   NPROC        processes per node (default: number of GPUs, or 2 without GPUs)
 #   RUN_ID       the run's name: the same on every node and across restarts (default: SLURM_JOB_ID)
@@ -19,6 +19,8 @@
 #                and checkpoints go there, and a relaunch with the same RUN_DIR resumes (checkpoint.load=auto).
 #                Never derived from a clock: each node's would differ. A hydra.run.dir=... override wins.
 #   LOCAL_ADDR   this node's address as the others reach it (default: its FQDN, torch's choice)
+#   RDZV_TIMEOUT seconds a node waits for node 0's rendezvous store (default 900: the nodes may start in any
+#                order within it; torch's own is 60)
 #   MAX_RESTARTS times torchrun restarts every rank of the job after one dies (default 0): each restart
 #                resumes from the newest complete checkpoint in RUN_DIR
 #   PYTHON, DRY_RUN=1   as in launch/train.sh; NCCL/Megatron-Core environment in launch/common.sh
@@ -30,7 +32,7 @@ source launch/common.sh
 
 NNODES="${NNODES:-${SLURM_NNODES:-1}}"
 NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
-MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_ADDR="${MASTER_ADDR:-}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 NPROC="${NPROC:-$(default_nproc)}"
 RUN_ID="${RUN_ID:-${SLURM_JOB_ID:-}}"
@@ -43,7 +45,12 @@ if [ -z "$RUN_ID" ]; then
 fi
 RUN_DIR="${RUN_DIR:-outputs/run-$RUN_ID}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
-require_uint NNODES NODE_RANK MASTER_PORT NPROC MAX_RESTARTS
+RDZV_TIMEOUT="${RDZV_TIMEOUT:-900}"
+require_uint NNODES NODE_RANK MASTER_PORT NPROC MAX_RESTARTS RDZV_TIMEOUT
+if [ -z "$MASTER_ADDR" ]; then  # 127.0.0.1 on several nodes: each would wait for a store on itself
+  [ "$NNODES" = 1 ] || die "set MASTER_ADDR=<node 0's address> (NNODES=$NNODES: every node must reach node 0)"
+  MASTER_ADDR=127.0.0.1
+fi
 [ "$NODE_RANK" -lt "$NNODES" ] || die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
 
 is_host=0
@@ -52,7 +59,7 @@ is_host=0
 check_config "$((NNODES * NPROC))" "$([ "$is_host" = 1 ] && echo "$MASTER_PORT")" "$@"
 cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS"
      --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_ID"
-     --rdzv-conf "is_host=$is_host" ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"}
+     --rdzv-conf "is_host=$is_host,read_timeout=$RDZV_TIMEOUT" ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"}
      train.py "hydra.run.dir=$RUN_DIR" "$@")
 RESUME_CMD="$(printf '%q ' "$0" "$@")"
 RESUME_CMD="${RESUME_CMD% } (with the same RUN_ID on every node)"

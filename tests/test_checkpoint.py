@@ -16,8 +16,7 @@ from runs import QUICK, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_AT_10 = ["train.iters=20", "train.save_interval=10", "checkpoint.keep=0"]
-LAYOUTS = {
-    "tp2": (["parallel.tp=2"], 2),
+LAYOUTS = {  # (TP alone: inside tp2-dp2-distopt)
     "pp2": (["parallel.pp=2"], 2),
     "tp2-dp2-distopt": (["parallel.tp=2", "parallel.dist_opt=true"], 4),
 }

@@ -112,7 +112,8 @@ def _export(root: str) -> dict:
     import convert_hf
 
     return {name: convert_main(convert_hf, ["export", "--ckpt", f"{root}/run_{name}/tuned", "--out",
-                                            f"{root}/exported_{name}", "--check", "--tolerance", str(TOLERANCE)])
+                                            f"{root}/exported_{name}", "--check", "--tolerance", str(TOLERANCE),
+                                            "--tokenizer-dir", f"{root}/{name}"])  # its generation_config.json
             for name in FAMILIES}
 
 
@@ -159,13 +160,18 @@ def test_fine_tuned_checkpoints_export_as_their_family_with_equal_logits(familie
         losses = [json.loads(line)["loss"] for line in (root / f"run_{name}" / "metrics.jsonl").read_text().splitlines()
                   if "loss" in json.loads(line)]
         assert len(losses) == 3 and losses[-1] < losses[0], (name, losses)
+        assert "saved at tp/pp 2/1, iteration 3" in output  # resharded from tp2 to one process
         config = json.loads((root / f"exported_{name}" / "config.json").read_text())
         original = json.loads((root / name / "config.json").read_text())
         assert config["architectures"] == original["architectures"], name
+        if (root / name / "generation_config.json").is_file():  # --tokenizer-dir copies it, and the special ids
+            assert (root / f"exported_{name}" / "generation_config.json").is_file(), name
+            assert config["eos_token_id"] == original["eos_token_id"], name
         for key in ("model_type", "head_dim", "num_key_value_heads", "rope_parameters", "tie_word_embeddings",
                     "num_experts", "num_local_experts", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
                     "decoder_sparse_step"):
             assert config.get(key) == original.get(key), (name, key, config.get(key), original.get(key))
+    assert json.loads((root / "exported_llama3" / "config.json").read_text())["eos_token_id"] == 2  # LlamaConfig's
 
 
 # The published config.json of each family's model (the fields that set the shape), as on the Hugging Face Hub

@@ -50,7 +50,7 @@ def test_dry_run_prints_each_command_with_the_overrides():
     multi = dry_run("multinode.sh", "parallel.tp=2", "model.name=a b", NNODES="2", NODE_RANK="1",
                     MASTER_ADDR="10.0.0.1", MASTER_PORT="29600", NPROC="2", RUN_ID="exp7")
     assert "--nnodes 2 --nproc-per-node 2 --max-restarts 0 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29600" in multi
-    assert "--rdzv-id exp7 --rdzv-conf is_host=0" in multi  # only node 0 hosts the rendezvous
+    assert r"--rdzv-id exp7 --rdzv-conf is_host=0\,read_timeout=900" in multi  # node 0 hosts; the others wait 15 min
     assert multi.endswith(r"hydra.run.dir=outputs/run-exp7 parallel.tp=2 model.name=a\ b")
 
     docker = dry_run("docker.sh", "launch/train.sh", "parallel.tp=2", NPROC="8")
@@ -68,6 +68,10 @@ def test_multinode_needs_a_run_id_shared_by_all_nodes():
     done = subprocess.run([str(ROOT / "launch/multinode.sh")], env=launch_env(NNODES="2", DRY_RUN="1"),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "set RUN_ID=" in done.stderr
+    done = subprocess.run([str(ROOT / "launch/multinode.sh")], env=launch_env(NNODES="2", DRY_RUN="1", RUN_ID="x"),
+                          capture_output=True, text=True, timeout=60)  # 127.0.0.1 would send each node to itself
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "error: set MASTER_ADDR=<node 0's address> (NNODES=2: every node must reach node 0)"), done.stderr
 
 
 def test_image_tag_is_the_same_in_dockerfile_and_docker_sh():
