@@ -1,8 +1,8 @@
-"""Engine behaviour beyond layouts: the NaN/Inf guard (stop or skip), the profiler window, extra-loss logs."""
+"""Engine behaviour beyond layouts: the NaN/Inf guard (stop or skip), the profiler window, and (tests/test_wandb.py)
+the named extra losses in every sink."""
 
 import json
 
-import pytest
 from harness import run_distributed
 from runs import QUICK, _train, assert_only_skipped_steps_leave_everything, train_catching, train_watching_steps
 
@@ -37,22 +37,3 @@ def test_profiler_writes_a_trace_of_the_window(tmp_path):
     (trace,) = (tmp_path / "profile").glob("trace_iters_2_4.json")
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in str(e.get("name", "")) for e in events)
-
-
-def test_named_extra_losses_are_logged_like_the_loss(tmp_path):
-    """A block's extra loss (tests/blocks.py) reaches every sink the loss does, under its name, with no loop
-    edit: metrics.jsonl, the console line and TensorBoard."""
-    from blocks import PENALTY
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from training.engine.metrics import format_line
-
-    run_distributed(_train, 1, (QUICK + ["model.mlp=blocks:PenalizedMLP", "train.iters=2", "checkpoint=none",
-                                         "train.tensorboard=true"], str(tmp_path)), timeout=300)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in records] == [1, 2]
-    assert all(r[PENALTY] > 0 for r in records) and records[0]["loss"] > 0
-    assert f"| {PENALTY} {records[1][PENALTY]:.4g} |" in format_line(records[1], 2)
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert [e.value for e in events.Scalars(PENALTY)] == pytest.approx([r[PENALTY] for r in records], rel=1e-6)

@@ -75,6 +75,12 @@ class NanPolicy(StrEnum):
     skip = "skip"
 
 
+class WandbMode(StrEnum):
+    disabled = "disabled"  # no W&B: nothing imported, nothing sent
+    online = "online"  # stream to the W&B server (`wandb login` or WANDB_API_KEY first)
+    offline = "offline"  # write the run's files locally only; `wandb sync <dir>` uploads them later
+
+
 @dataclass
 class MoEConfig:
     num_experts: Optional[int] = None  # experts in each MoE layer; null = a dense model
@@ -177,6 +183,15 @@ class DataConfig:
 
 
 @dataclass
+class WandbConfig:
+    mode: WandbMode = WandbMode.disabled  # off by default: W&B is an optional extra (pip install -e '.[wandb]')
+    project: str = "mcore-template"  # the W&B project runs go to
+    name: Optional[str] = None  # the run's display name; null = W&B's generated one
+    entity: Optional[str] = None  # the W&B user or team; null = your default entity
+    dir: Optional[str] = None  # where W&B writes its local files (<dir>/wandb/); null = $WANDB_DIR, else the run dir
+
+
+@dataclass
 class TrainConfig:
     iters: int = 200  # optimizer steps in the run (0: build, save the initial checkpoint, exit)
     micro_batch_size: int = 4  # sequences per micro-batch per data-parallel rank
@@ -197,6 +212,7 @@ class TrainConfig:
     profile_start: int = 5  # first profiled iteration (after warm-up)
     profile_end: int = 7  # first iteration after the profiled window
     tensorboard: bool = True  # write TensorBoard scalars into <run dir>/tensorboard
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases: the metrics.jsonl records, rank 0
     max_memory_fraction: float = 0.9  # preflight: stop above this share of GPU memory (CUDA context, NCCL
     # buffers and fragmentation take the rest)
 
@@ -244,4 +260,4 @@ __all__ = ["Activation", "DecayStyle", "Dispatcher", "Fsdp", "MoEConfig", "NanPo
            "RopeScalingConfig", "RopeScalingType",
            "Normalization", "PositionEmbedding", "Precision",
            "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
-           "CheckpointConfig", "register", "to_config"]
+           "CheckpointConfig", "WandbConfig", "WandbMode", "register", "to_config"]

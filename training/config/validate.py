@@ -15,6 +15,7 @@ with the metrics' keys, and every dataset split has documents.
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 
 from models.shape import ModelShape
 from models.spec import block_problem
@@ -83,6 +84,11 @@ def parallel_problems(cfg: Config) -> list[str]:
     return out
 
 
+def wandb_missing(mode: str) -> str:
+    """train.wandb asks for Weights & Biases, an optional extra (training/engine/wandb_log.py raises it too)."""
+    return f"train.wandb.mode={mode} needs the wandb package, which is not installed: pip install -e '.[wandb]'"
+
+
 def run_problems(cfg: Config) -> list[str]:
     """The optimizer, the schedule of the run, the data and the checkpoint settings."""
     o, t, c, d = cfg.optim, cfg.train, cfg.checkpoint, cfg.data
@@ -109,6 +115,7 @@ def run_problems(cfg: Config) -> list[str]:
          f"data.weights has {len(d.weights or [])} entries but data.paths has {len(d.paths)}"),
         (not d.weights or all(w >= 0 for w in d.weights) and sum(d.weights) > 0,
          f"data.weights={d.weights} must be >= 0 with a positive sum"),
+        (t.wandb.mode == "disabled" or find_spec("wandb") is not None, wandb_missing(t.wandb.mode)),
         (c.keep >= 0, f"checkpoint.keep={c.keep} must be >= 0"),
         (not c.finetune or c.load not in (None, "auto"),
          f"checkpoint.finetune=true needs checkpoint.load=<a checkpoint path> (got {c.load})"),

@@ -25,6 +25,7 @@ from training.engine.metrics import RESERVED_KEYS, MetricsLogger, Throughput
 from training.engine.profiling import Profiler
 from training.engine.step import evaluate, train_step
 from training.engine.stopping import SaveClock, Stopper
+from training.engine.wandb_log import WandbSink
 from training.engine.watchdog import Watchdog
 from training.errors import ConfigError
 from training.estimate.preflight import preflight
@@ -92,7 +93,7 @@ def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's, after a rank died
         if restarts:
             D.print0(f"restart {restarts} (launch MAX_RESTARTS): resumed at iteration {iteration}")
-        logger = MetricsLogger(run_dir, t.iters, D.is_rank0(), t.tensorboard)
+        logger = MetricsLogger(run_dir, t.iters, D.is_rank0(), t.tensorboard, WandbSink(cfg, run_dir, r.start.resumed))
         profiler = Profiler(cfg, run_dir, D.is_rank0())
         save_clock = SaveClock(cfg)  # train.save_interval / save_interval_minutes (the end and a stop save too)
         watchdog = Watchdog.of(cfg)  # a rank stalled in a step, an evaluation or a save: named, then exit 3

@@ -1,6 +1,6 @@
-"""Throughput, memory, and the three sinks of every logged iteration: console, metrics.jsonl,
-TensorBoard. Only global rank 0 writes; every value it writes is identical on all ranks (the loss is
-reduced before logging) or is rank 0's own (memory).
+"""Throughput, memory, and the sinks of every logged iteration: console, metrics.jsonl, TensorBoard and
+Weights & Biases (training/engine/wandb_log.py, when train.wandb asks). Only global rank 0 writes; every
+value it writes is identical on all ranks (the loss is reduced before logging) or is rank 0's own (memory).
 """
 
 from __future__ import annotations
@@ -128,10 +128,11 @@ class Throughput:
 
 
 class MetricsLogger:
-    """Appends to <run dir>/metrics.jsonl, prints one line, writes TensorBoard scalars (rank 0 only)."""
+    """Appends to <run dir>/metrics.jsonl, prints one line, writes TensorBoard and W&B scalars (rank 0 only)."""
 
-    def __init__(self, run_dir: str | Path, total_iters: int, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: str | Path, total_iters: int, enabled: bool, tensorboard: bool, wandb=None):
         self.enabled, self.total_iters = enabled, total_iters
+        self.wandb = wandb if enabled else None  # a wandb_log.WandbSink, opened on the writing rank only
         self.path = Path(run_dir) / "metrics.jsonl"
         self.writer = None
         if enabled:
@@ -140,6 +141,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            if self.wandb is not None:
+                self.wandb.open()
 
     def log(self, record: dict | TrainRecord) -> None:
         if not self.enabled:
@@ -149,11 +152,16 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(format_line(record, self.total_iters), flush=True)
+        scalars = {key: value for key, value in record.items()
+                   if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self.writer is not None:
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(key, value, record["iteration"])
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, record["iteration"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, record["iteration"])
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
