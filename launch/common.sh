@@ -76,19 +76,27 @@ override_value() {
 # (SignalException) or when a rank failed (ChildFailedError and the failures block) and its "Sending process
 # ... closing signal" / "failed (exitcode ...)" lines; and note for the summary, as they happen, in NOTES:
 # `sig N` (torchrun got signal N), `fail RANK CODE ROOT` (torchrun's report; ROOT=1: its "first observed"),
-# `restart`, `err LINE` (the ranks' `error: ...` lines; `errs` starts a block), `out` (a line after them),
-# `rundir DIR` and `stop N` (rank 0's "run dir:" and "stopping at iteration N" lines, stdout).
+# `restart` (only if torchrun logs at INFO), `err LINE` (the ranks' `error: ...` lines; `errs` starts a block),
+# `out` (a line after them), `rundir DIR` and `stop N` (rank 0's "run dir:" and "stopping at iteration N" lines,
+# stdout). The other ranks print their errors too, as `error: rank N: ...` (training/errors.py, EVERY_RANK): such
+# a line waits until torchrun ends and is shown only if no rank said the same without the prefix: an error raised
+# on every rank is said once (by rank 0), one raised on rank N alone is not lost.
 AWK=(awk)
 awk -W version 2>/dev/null | grep -q mawk && AWK=(awk -W interactive)
 # shellcheck disable=SC2016  # awk programs: $0 is awk's
 STDERR_FILTER='
 function note(s) { print s >> notes; fflush(notes) }
+function flush_held(  i) { for (i = 1; i <= held; i++) show(hold[i]); held = 0 }
+function said_as(line) { sub(/^error: (rank [0-9]+: )?/, "", line); return line }
 function show(line) {
   print line; fflush()
-  if (line ~ /^error: /) { if (!inerr) note("errs"); note("err " line); inerr = 1; after = 0 }
+  if (line ~ /^error: /) { said[said_as(line)] = 1; if (!inerr) note("errs"); note("err " line); inerr = 1; after = 0 }
   else if (inerr || !after) { if (inerr) note("out"); inerr = 0; after = 1 }
 }
-function flush_held(  i) { for (i = 1; i <= held; i++) show(hold[i]); held = 0 }
+function flush_ranks(  i) {  # the other ranks'"'"' errors that no rank said without the prefix
+  for (i = 1; i <= ranked; i++) if (!(said_as(rank_err[i]) in said)) show(rank_err[i])
+  ranked = 0; split("", waiting)
+}
 mode == "" && /^Traceback \(most recent call last\):$/ { mode = "tb"; held = 0; hold[++held] = $0; next }
 mode == "tb" {
   hold[++held] = $0
@@ -111,9 +119,14 @@ mode == "report" {
 }
 /\] Sending process [0-9]+ closing signal / || /\] failed \(exitcode: -?[0-9]+\) local_rank: / { next }
 /\] Received .* death signal, shutting down workers/ { next }
-/will restart worker group/ { note("restart") }
+/will restart worker group/ { flush_ranks(); note("restart") }
+/^error: rank [1-9][0-9]*: / {
+  k = said_as($0)
+  if (!(k in said) && !(k in waiting)) { waiting[k] = 1; rank_err[++ranked] = $0 }
+  next
+}
 { show($0) }
-END { flush_held() }'
+END { flush_held(); flush_ranks() }'
 # shellcheck disable=SC2016
 STDOUT_WATCH='
 { print; fflush() }
@@ -138,6 +151,7 @@ run_or_print() {
   fi
   local status=0 stopped="" out_fd err_fd out_pid err_pid sig
   NOTES=$(mktemp)
+  export TEMPLATE_ERRORS_FROM_EVERY_RANK=1  # every rank prints its errors; the filter says each once (above)
   trap '' USR1  # inherited by the filters and torchrun; the workers install their own handler
   exec {out_fd}> >(trap '' TERM INT; exec "${AWK[@]}" -v notes="$NOTES" "$STDOUT_WATCH")
   out_pid=$!
@@ -148,8 +162,10 @@ run_or_print() {
   exec {out_fd}>&- {err_fd}>&-
   trap 'pkill -USR1 -P "$launched" || true' USR1
   # no workers yet (torchrun in its rendezvous): to torchrun, which then ends (SignalException, filtered)
-  trap 'stopped=TERM; pkill -TERM -P "$launched" || kill -TERM "$launched" 2>/dev/null || true' TERM
-  trap 'stopped=INT; pkill -TERM -P "$launched" || kill -TERM "$launched" 2>/dev/null || true' INT
+  # a second signal (the user's second Ctrl-C, a scheduler's during the save at the stop) is relayed the same way;
+  # the summary names the first
+  trap 'stopped=${stopped:-TERM}; pkill -TERM -P "$launched" || kill -TERM "$launched" 2>/dev/null || true' TERM
+  trap 'stopped=${stopped:-INT}; pkill -TERM -P "$launched" || kill -TERM "$launched" 2>/dev/null || true' INT
   wait "$launched" || status=$?
   while kill -0 "$launched" 2>/dev/null; do  # a relayed signal interrupted wait: wait on
     status=0
@@ -250,7 +266,8 @@ failure_summary() {
   dir=$(run_dir)
   ckpts=$(checkpoint_dir "$dir")
   latest=$(newest_checkpoint "$ckpts")
-  restarts=$(grep -cx restart "$NOTES" || true)
+  # torchrun logs its restarts at INFO, which it does not print: rank 0's "run dir:" line starts every attempt
+  restarts=$(awk '$0 == "restart" { r++ } $1 == "rundir" { n++ } END { n--; print (r > n ? r : n) + 0 }' "$NOTES")
   if [ -n "$latest" ]; then
     where="the newest checkpoint: $ckpts/$latest; resume with: RUN_DIR=$dir ${RESUME_CMD:-the same command}"
   else

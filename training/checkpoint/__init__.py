@@ -12,21 +12,22 @@ loading runs no code from the files (safe_load.py).
 
 Every rank writes its own shards. `run.json` and then `latest` are written (atomically: temp file +
 rename) only after every rank finished, so a crash mid-save leaves the previous checkpoint as latest and
-the half-written directory is recognisably incomplete. A save that fails on any rank is removed.
+the half-written directory is recognisably incomplete. A save that fails on any rank is removed; every rank
+learns which rank failed and why (agreement.py), or, for a rank failing alone inside the save's collectives,
+that rank stops the run at once instead of leaving its peers waiting there until parallel.timeout_minutes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
-from training.checkpoint import fsdp_dtensor, torch_dist
+from training.checkpoint import agreement, fsdp_dtensor, torch_dist
 from training.checkpoint.common import (
     LATEST,
     RUN_FILE,
@@ -35,7 +36,6 @@ from training.checkpoint.common import (
     atomic_write,
     check_compatible,
     complete_checkpoints,
-    describe,
     is_complete,
     iter_dir,
     layout,
@@ -68,52 +68,58 @@ def _format(cfg: Config, path: Path | None = None):
 def save(cfg: Config, state: TrainState, iteration: int, consumed_samples: int, run_dir: str | Path | None = None,
          train_samples: int | None = None, model_only: bool = False) -> Path | None:
     """Save a checkpoint (every rank calls this); model_only: the weights alone (conversions), which
-    only checkpoint.finetune=true loads. A save that fails on any rank (a full disk) is removed and never
-    becomes `latest`; checkpoint.on_save_error then stops the run (CheckpointError) or warns and returns
-    None (the next save tries again)."""
+    only checkpoint.finetune=true loads. Three steps, each ending with every rank knowing which ranks failed
+    (agreement.py): rank 0 prepares the directory, every rank writes its shards, rank 0 writes run.json and
+    then `latest`. A save that fails is removed and never becomes `latest`; checkpoint.on_save_error then
+    stops the run (CheckpointError, the same line on every rank, naming the failed ranks and the cause) or
+    warns and returns None (the next save tries again). A rank that fails alone inside the save's collectives
+    stops at once (agreement.write_shards)."""
     root = Path(cfg.checkpoint.dir)
     path = iter_dir(root, iteration)
     rank0 = dist.get_rank() == 0
-    failure = None
-    try:
-        if rank0:
-            if path.exists():  # an earlier, interrupted save of this iteration (never the latest)
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        dist.barrier()
-        _format(cfg).save(cfg, state, path, {"iteration": iteration, "consumed_samples": consumed_samples},
-                          model_only)
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - OSError (ENOSPC, EIO) or DCP's wrapper
-        failure = describe(err)
-    failed = torch.tensor([float(failure is not None)])
-    dist.all_reduce(failed)  # every rank's shards are on disk, or everyone knows they are not
-    if failed.item():
-        _save_failed(cfg, root, path, failure, int(failed.item()))
+    failures = agreement.agree(agreement.attempt(_prepare, path) if rank0 else None)
+    if not failures:
+        extra = {"iteration": iteration, "consumed_samples": consumed_samples}
+        failures = agreement.agree(agreement.write_shards(
+            lambda: _format(cfg).save(cfg, state, path, extra, model_only), path, _latest(root)))
+    if not failures:
+        run = {"iteration": iteration, "consumed_samples": consumed_samples, "train_samples": train_samples,
+               "weights_only": model_only, "run_dir": str(run_dir) if run_dir else None}
+        failures = agreement.agree(agreement.attempt(_complete, cfg, state, path, run) if rank0 else None)
+    if failures:
+        _save_failed(cfg, root, path, failures)
         return None
-    if rank0:
-        from omegaconf import OmegaConf
-
-        run = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": layout(),
-               "train_samples": train_samples, "weights_only": model_only,
-               "vocab_size": state.shape.vocab_size,
-               "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "versions": versions(),
-               "run_dir": str(run_dir) if run_dir else None}
-        atomic_write(path / RUN_FILE, json.dumps(run, indent=1) + "\n")
-        atomic_write(root / LATEST, path.name + "\n")
-        prune(root, cfg.checkpoint.keep)
-    dist.barrier()
     print0(f"saved checkpoint {path} (iteration {iteration}, {consumed_samples} samples consumed)")
     return path
 
 
-def _save_failed(cfg: Config, root: Path, path: Path, failure: str | None, ranks: int) -> None:
+def _prepare(path: Path) -> None:
+    if path.exists():  # an earlier, interrupted save of this iteration (never the latest)
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def _complete(cfg: Config, state: TrainState, path: Path, run: dict) -> None:
+    """run.json, then `latest` (each atomic): the checkpoint is complete, then it is the latest."""
+    from omegaconf import OmegaConf
+
+    run = {**run, "layout": layout(), "vocab_size": state.shape.vocab_size,
+           "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "versions": versions()}
+    atomic_write(path / RUN_FILE, json.dumps(run, indent=1) + "\n")
+    atomic_write(path.parent / LATEST, path.name + "\n")
+    with contextlib.suppress(OSError):  # `latest` moved: pruning is best effort
+        prune(path.parent, cfg.checkpoint.keep)
+
+
+def _latest(root: Path) -> str:
+    latest = root / LATEST
+    return latest.read_text().strip() if latest.is_file() else "none yet"
+
+
+def _save_failed(cfg: Config, root: Path, path: Path, failures: dict[int, str]) -> None:
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)  # never complete, never latest; remove the partial files
-    latest = root / LATEST
-    kept = latest.read_text().strip() if latest.is_file() else "none yet"
-    message = (f"saving checkpoint {path} failed on {ranks} rank(s) ({failure or 'on another rank'}); latest "
-               f"stays {kept}")
-    dist.barrier()
+    message = f"saving checkpoint {path} failed on {agreement.on_ranks(failures)}; latest stays {_latest(root)}"
     if cfg.checkpoint.on_save_error == "stop":
         raise CheckpointError(f"{message}: stopping (checkpoint.on_save_error=stop; =warn trains on)")
     print0(f"warning: {message}: training on (checkpoint.on_save_error=warn)")

@@ -2,8 +2,11 @@
 save is due (train.save_interval, train.save_interval_minutes).
 
 A signal only sets a flag (SLURM sends SIGUSR1 before the time limit, schedulers send SIGTERM on
-preemption); at the next step boundary every rank agrees (MAX all-reduce of the flag), the loop saves
-a checkpoint and exits 0. Clocks differ across ranks, so a timed save is decided the same way.
+preemption, Ctrl-C sends SIGINT to a terminal's foreground processes: `python train.py`, or torchrun started
+by hand, which relays it to its ranks); at the next step boundary every rank agrees (MAX all-reduce of the
+flag), the loop saves a checkpoint and exits 0. A second signal, also one arriving during that save, only
+sets the flag again: the save finishes and `latest` names it (SIGKILL stops at once; `latest` then still
+names the previous complete checkpoint). Clocks differ across ranks, so a timed save is decided the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch.distributed as dist
 
 from training.config.schema import Config
 
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def _any_rank(local: int) -> int:
