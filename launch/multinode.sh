@@ -13,7 +13,9 @@
 #                Global ranks follow the rendezvous' order, not NODE_RANK.
 #   MASTER_ADDR  node 0's address, reachable from every node (required with NNODES > 1; 127.0.0.1 for one machine)
 #   MASTER_PORT  rendezvous port on node 0, the same on every node (default: 29500, torch's)
-#   NPROC        processes per node (default: number of GPUs, or 2 without GPUs)
+#   NPROC        processes per node, the same on every node (default: SLURM_GPUS_ON_NODE under SLURM, else the
+#                number of GPUs, or 2 without GPUs). Every node checks the config for NNODES x NPROC processes and
+#                every rank refuses a job of another size (a node started with another NPROC) in one line.
 #   RUN_ID       the run's name: the same on every node and across restarts (default: SLURM_JOB_ID)
 #   RUN_DIR      run dir on storage every node sees (default: outputs/run-$RUN_ID): the config, metrics
 #                and checkpoints go there, and a relaunch with the same RUN_DIR resumes (checkpoint.load=auto).
@@ -24,6 +26,7 @@
 #   MAX_RESTARTS times torchrun restarts every rank of the job after one dies (default 0): each restart
 #                resumes from the newest complete checkpoint in RUN_DIR
 #   PYTHON, DRY_RUN=1   as in launch/train.sh; NCCL/Megatron-Core environment in launch/common.sh
+# Each node also writes what it prints to RUN_DIR/logs/node<NODE_RANK>.log (appended across restarts).
 # Nodes with several networks: set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the one they share.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +37,7 @@ NNODES="${NNODES:-${SLURM_NNODES:-1}}"
 NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
 MASTER_ADDR="${MASTER_ADDR:-}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-NPROC="${NPROC:-$(default_nproc)}"
+NPROC="${NPROC:-${SLURM_GPUS_ON_NODE:-$(default_nproc)}}"  # SLURM's binding, not nvidia-smi's count
 RUN_ID="${RUN_ID:-${SLURM_JOB_ID:-}}"
 run_dir_override="$(override_value hydra.run.dir "$@")"  # the user's hydra.run.dir=... wins (Hydra's last)
 RUN_DIR="${run_dir_override:-${RUN_DIR:-}}"
@@ -57,6 +60,13 @@ is_host=0
 [ "$NODE_RANK" = 0 ] && is_host=1
 # Only node 0 binds MASTER_PORT, so only there must it be free.
 check_config "$((NNODES * NPROC))" "$([ "$is_host" = 1 ] && echo "$MASTER_PORT")" "$@"
+# torchrun sums the nodes' own NPROC: the ranks compare the job's size with the one checked here (entry.py)
+export LAUNCH_WORLD_SIZE="$((NNODES * NPROC))"
+if [ "${DRY_RUN:-0}" != 1 ]; then  # this node's log, beside the shared console (slurm-%j.out interleaves nodes)
+  mkdir -p "$RUN_DIR/logs"
+  exec > >(trap '' TERM INT; exec tee -a "$RUN_DIR/logs/node$NODE_RANK.log") \
+       2> >(trap '' TERM INT; exec tee -a "$RUN_DIR/logs/node$NODE_RANK.log" >&2)
+fi
 cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS"
      --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_ID"
      --rdzv-conf "is_host=$is_host,read_timeout=$RDZV_TIMEOUT" ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"}

@@ -53,15 +53,26 @@ def test_dry_run_prints_each_command_with_the_overrides():
     assert r"--rdzv-id exp7 --rdzv-conf is_host=0\,read_timeout=900" in multi  # node 0 hosts; the others wait 15 min
     assert multi.endswith(r"hydra.run.dir=outputs/run-exp7 parallel.tp=2 model.name=a\ b")
 
-    docker = dry_run("docker.sh", "launch/train.sh", "parallel.tp=2", NPROC="8")
+    docker = dry_run("docker.sh", "launch/train.sh", "parallel.tp=2", NPROC="8", RUN_DIR="/shared/r1",
+                     TORCH_NCCL_ENABLE_MONITORING="0", MAX_RESTARTS="1")
     for flag in ("--gpus all", "--ipc=host", "--ulimit memlock=-1", "--ulimit stack=67108864",
-                 f"-v {ROOT}:/workspace/mcore-template", "-w /workspace/mcore-template", "-e NPROC=8"):
+                 f"--user {os.getuid()}:{os.getgid()}", f"-v {ROOT}:/workspace/mcore-template",
+                 "-v /shared/r1:/shared/r1", "-w /workspace/mcore-template", "-e NPROC=8",
+                 "-e TORCH_NCCL_ENABLE_MONITORING=0", "-e MAX_RESTARTS=1", "-e RUN_DIR=/shared/r1"):
         assert flag in docker
     assert docker.endswith("launch/train.sh parallel.tp=2")
 
     slurm = dry_run("slurm.sbatch", "parallel.tp=2", SLURM_JOB_ID="4242", SLURM_NNODES="2",
                     MASTER_ADDR="node1")
-    assert slurm == "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 launch/multinode.sh parallel.tp=2"
+    assert slurm == ("srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --label launch/multinode.sh "
+                     "parallel.tp=2")
+    pyxis = dry_run("slurm.sbatch", "parallel.tp=2", SLURM_JOB_ID="4242", SLURM_NNODES="2", MASTER_ADDR="node1",
+                    CONTAINER_IMAGE="/shared/mcore.sqsh", RUN_DIR="/shared/runs/a", DATA_DIR="/shared/data")
+    assert pyxis == ("srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --label "
+                     "--container-image=/shared/mcore.sqsh --container-mounts="
+                     f"{ROOT}:/workspace/mcore-template\\,/shared/data:/data\\,/shared/runs/a:/shared/runs/a "
+                     "--container-workdir=/workspace/mcore-template --no-container-mount-home launch/multinode.sh "
+                     "parallel.tp=2")
 
 
 def test_multinode_needs_a_run_id_shared_by_all_nodes():
@@ -74,6 +85,81 @@ def test_multinode_needs_a_run_id_shared_by_all_nodes():
         "error: set MASTER_ADDR=<node 0's address> (NNODES=2: every node must reach node 0)"), done.stderr
 
 
+def test_launch_refuses_what_would_misfire_on_a_cluster(tmp_path):
+    """Each one line, exit 2: docker inside a SLURM job (outside its cgroup), the old CONTAINER=1, a job whose
+    scontrol names no host; the submit shell's NODE_RANK and MASTER_ADDR do not reach the nodes; NPROC follows
+    SLURM's GPU binding."""
+    def run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / "launch" / script), *args], env=launch_env(**{"DRY_RUN": "1", **env}),
+                              capture_output=True, text=True, timeout=120)
+
+    def refused(done: subprocess.CompletedProcess, start: str) -> None:
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+        assert done.stderr.startswith(f"error: {start}"), done.stderr
+
+    refused(run("docker.sh", SLURM_JOB_ID="9"), "inside SLURM job 9 docker runs outside")
+    refused(run("slurm.sbatch", SLURM_JOB_ID="9", SLURM_NNODES="2", MASTER_ADDR="n1", CONTAINER="1"),
+            "CONTAINER=1 (docker on every node) is gone")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"  # a batch node that names no host, then one that does
+    scontrol.write_text('#!/usr/bin/env bash\n[ -z "$FAKE_HOST" ] || echo "$FAKE_HOST"\n')
+    scontrol.chmod(0o755)
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    job = dict(SLURM_JOB_ID="9", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[1-2]", PATH=path)
+    refused(run("slurm.sbatch", **job, FAKE_HOST=""), "no rendezvous host: 'scontrol show hostnames gpu[1-2]'")
+    # srun stands in: it prints what each node's multinode.sh would run
+    srun = bin_dir / "srun"
+    srun.write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=1 DRY_RUN=1 exec "$@"\n')
+    srun.chmod(0o755)
+    done = run("slurm.sbatch", "train.global_batch_size=32", **job, FAKE_HOST="gpu1", MASTER_ADDR="login7",
+               NODE_RANK="0", SLURM_GPUS_ON_NODE="4", DRY_RUN="0")
+    assert done.returncode == 0, done.stderr
+    assert "--nnodes 2 --nproc-per-node 4 " in done.stdout and "--rdzv-endpoint gpu1:" in done.stdout
+    assert "is_host=0" in done.stdout  # node 1 (SLURM_NODEID), not the submit shell's NODE_RANK=0
+
+
+def test_the_pytorchjob_manifest_renders_for_the_run():
+    import yaml
+
+    env = launch_env(IMAGE="registry.example.com/mcore:1", PVC="runs", NNODES="3", NPROC="2", RUN_ID="l7b-a")
+    overrides = ["parallel.tp=2", "model.name=a b", "train.global_batch_size=12"]
+    done = subprocess.run([str(ROOT / "launch/kubernetes.sh"), *overrides], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "world 6 = tp 2" in done.stderr  # the config was checked for 3 pods x 2 processes
+    job = yaml.safe_load(done.stdout)
+    assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob", "l7b-a")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert {name: spec["replicas"] for name, spec in specs.items()} == {"Master": 1, "Worker": 2}
+    for spec in specs.values():
+        pod = spec["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["name"] == "pytorch" and container["image"] == "registry.example.com/mcore:1"
+        env_vars = {e["name"]: e["value"] for e in container["env"]}
+        assert all(isinstance(v, str) for v in env_vars.values())  # Kubernetes wants strings
+        assert env_vars["NNODES"] == "3" and env_vars["NPROC"] == "2" and env_vars["RUN_DIR"] == "/shared/runs/l7b-a"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        # what the pod runs: multinode.sh with the operator's RANK as NODE_RANK, the overrides as given
+        command = container["command"] + container["args"]
+        script = (ROOT / "launch/multinode.sh").read_text()
+        assert all(f"${{{name}:-" in script for name in env_vars if name != "PYTHON")  # knobs it reads
+        knobs = {k: v for k, v in env_vars.items() if k != "PYTHON"}  # the image's; here this venv's
+        fake = subprocess.run(command, env=launch_env(**knobs, RANK="2", MASTER_ADDR="master-0", MASTER_PORT="23456",
+                                                      DRY_RUN="1"),
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert fake.returncode == 0, fake.stderr
+        assert "--nnodes 3 --nproc-per-node 2" in fake.stdout and "--rdzv-endpoint master-0:23456" in fake.stdout
+        assert fake.stdout.strip().endswith(
+            r"hydra.run.dir=/shared/runs/l7b-a parallel.tp=2 model.name=a\ b train.global_batch_size=12")
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts == {"shared": "/shared", "shm": "/dev/shm"}
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "runs"
+    refusal = subprocess.run([str(ROOT / "launch/kubernetes.sh")], env=launch_env(PVC="runs"), capture_output=True,
+                             text=True, timeout=60)
+    assert refusal.returncode == 2 and refusal.stderr.startswith("error: set IMAGE="), refusal.stderr
+
+
 def test_image_tag_is_the_same_in_dockerfile_and_docker_sh():
     dockerfile = re.search(r"^ARG NGC_TAG=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1)
     script = re.search(r'^NGC_TAG="\$\{NGC_TAG:-(\S+)\}"$', (ROOT / "launch/docker.sh").read_text(), re.M).group(1)
@@ -83,7 +169,8 @@ def test_image_tag_is_the_same_in_dockerfile_and_docker_sh():
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck not installed (apt-get install shellcheck)")
 def test_shellcheck_is_clean():
-    scripts = sorted(str(p) for p in (ROOT / "launch").iterdir()) + sorted(str(p) for p in ROOT.glob("tools/*.sh"))
+    scripts = sorted(str(p) for p in (ROOT / "launch").iterdir() if p.suffix in (".sh", ".sbatch"))
+    scripts += sorted(str(p) for p in ROOT.glob("tools/*.sh"))
     done = subprocess.run(["shellcheck", "-S", "warning", "-x", *scripts], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
 
@@ -105,6 +192,26 @@ def test_two_nodes_on_one_machine_train_together(tmp_path):
     assert "world 2 = tp 1 x pp 1 x dp 2" in "".join(outputs)
     lines = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4
+    # each node's own log holds what it printed once its config check passed (rank 0 may be on either node)
+    logs = [(tmp_path / f"run/logs/node{rank}.log").read_text() for rank in (0, 1)]
+    assert all(output.endswith(log) for output, log in zip(outputs, logs))
+    assert sum(log.count("\n iter ") for log in logs) == 4, logs
+
+    # a node started with another NPROC (a config valid at both its world sizes): torchrun makes a world of 3
+    # that no node checked; every rank refuses it. Node 0 hosts the store: its exit ends node 1's torchrun too
+    env["MASTER_PORT"] = str(free_port())
+    nodes = [subprocess.Popen([*args, "train.global_batch_size=8"], env={**env, "NODE_RANK": str(rank),
+                                                                         "NPROC": str(rank + 1)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert nodes[0].returncode == 2 and nodes[1].returncode != 0, "\n".join(outputs)
+    for rank, output in enumerate(outputs):
+        assert (f"the job has 3 processes but the launcher checked the config for {2 * (rank + 1)} (NNODES x NPROC; "
+                f"this node runs {rank + 1}): start every node with the same NPROC") in output, output
 
 
 FAKE_SLURM = {  # just enough SLURM for launch/slurm.sbatch on one machine

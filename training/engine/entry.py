@@ -19,6 +19,18 @@ def precheck(argv: list[str]) -> None:
     compose([arg for arg in argv if not arg.startswith("-")])
 
 
+def check_launch_world() -> None:
+    """launch/multinode.sh checked the config for NNODES x NPROC processes (LAUNCH_WORLD_SIZE); torchrun sums the
+    nodes' own NPROC, so a node started with another NPROC makes a job of a size nobody checked."""
+    from training.errors import ConfigError
+
+    expected, world = os.environ.get("LAUNCH_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if expected and world and expected != world:
+        raise ConfigError(f"the job has {world} processes but the launcher checked the config for {expected} "
+                          f"(NNODES x NPROC; this node runs {os.environ.get('LOCAL_WORLD_SIZE', '?')}): start "
+                          f"every node with the same NPROC")
+
+
 def start(composed) -> None:
     """Validate once and check the files the config names, before any process group (exit 2 with one line per
     problem), then train."""
@@ -30,6 +42,7 @@ def start(composed) -> None:
     from training.engine.loop import run
     from training.parallel.dist import single_process_env
 
+    check_launch_world()
     cfg = to_config(composed)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.checkpoint.dir is not None and not os.path.isabs(cfg.checkpoint.dir):
