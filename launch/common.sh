@@ -12,17 +12,22 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # which one hardware queue per device guarantees (Megatron-LM warns without it). Megatron-FSDP wants the
 # opposite (its all-gathers overlap on other queues): training/engine/loop.py raises it to 8 under parallel.fsdp.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
-# A failed or timed-out NCCL collective aborts the process instead of hanging the whole job.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
-# NCCL's flight recorder: the last 2000 collectives of every rank, dumped (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE,
-# /tmp/nccl_trace_rank_<n> by default) when a collective times out: which rank never joined which collective.
+# A failed or timed-out NCCL collective aborts the process instead of hanging the whole job: torch's own default
+# (3: abort without the cleanup that can itself hang), which the flight recorder's dump on timeout relies on.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
+# NCCL's flight recorder: the last 2000 collectives of every rank, dumped when a collective times out: which rank
+# never joined which collective. The dumps go under the run dir (run_or_print sets TORCH_FR_DUMP_TEMP_FILE to
+# RUN_DIR/flight_recorder/rank_; torch's default is node-local /tmp, gone with the node).
 # (TORCH_FR_BUFFER_SIZE: the name the pinned torch reads; its old name TORCH_NCCL_TRACE_BUFFER_SIZE, which an
 # older container's torch reads, makes every rank print a deprecation line: set it yourself for such a torch.)
 export TORCH_FR_BUFFER_SIZE="${TORCH_FR_BUFFER_SIZE:-${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}"
 export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
 # Growable allocator segments: activations of varying sizes fragment memory less (fewer OOMs near
 # the limit that the planner's estimate assumes reachable).
-export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# torch reads PYTORCH_CUDA_ALLOC_CONF first, then its newer name PYTORCH_ALLOC_CONF (an older container's torch
+# reads only the first): set the first only when the user set neither, so a user's PYTORCH_ALLOC_CONF holds.
+[ -n "${PYTORCH_ALLOC_CONF:-}" ] ||
+  export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 # NCCL prints only warnings (e.g. a fallback from InfiniBand to TCP sockets). Opt in to NCCL_DEBUG=INFO
 # for topology and transport details when a multi-node run is slow or hangs at start.
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -150,6 +155,8 @@ run_or_print() {
     return
   fi
   local status=0 stopped="" out_fd err_fd out_pid err_pid sig
+  export TORCH_FR_DUMP_TEMP_FILE="${TORCH_FR_DUMP_TEMP_FILE:-$RUN_DIR/flight_recorder/rank_}"  # <prefix><rank>
+  mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
   NOTES=$(mktemp)
   export TEMPLATE_ERRORS_FROM_EVERY_RANK=1  # every rank prints its errors; the filter says each once (above)
   trap '' USR1  # inherited by the filters and torchrun; the workers install their own handler

@@ -119,6 +119,21 @@ def test_launch_refuses_what_would_misfire_on_a_cluster(tmp_path):
     assert "is_host=0" in done.stdout  # node 1 (SLURM_NODEID), not the submit shell's NODE_RANK=0
 
 
+def test_the_launch_environment_keeps_the_users_settings():
+    """launch/common.sh's defaults: torch's own NCCL error handling (3), and the allocator setting only when the
+    user set neither of its names (torch reads PYTORCH_CUDA_ALLOC_CONF first: setting it would hide theirs)."""
+    show = "source launch/common.sh; echo $TORCH_NCCL_ASYNC_ERROR_HANDLING ${PYTORCH_CUDA_ALLOC_CONF:-unset}"
+
+    def shown(**env: str) -> str:
+        return subprocess.run(["bash", "-c", show], cwd=ROOT, env=launch_env(**env), capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "TORCH_NCCL_"))}
+    assert shown(**base) == "3 expandable_segments:True"
+    assert shown(**base, PYTORCH_ALLOC_CONF="backend:cudaMallocAsync") == "3 unset"
+    assert shown(**base, TORCH_NCCL_ASYNC_ERROR_HANDLING="1", PYTORCH_CUDA_ALLOC_CONF="x") == "1 x"
+
+
 def test_the_pytorchjob_manifest_renders_for_the_run():
     import yaml
 
@@ -196,6 +211,7 @@ def test_two_nodes_on_one_machine_train_together(tmp_path):
     logs = [(tmp_path / f"run/logs/node{rank}.log").read_text() for rank in (0, 1)]
     assert all(output.endswith(log) for output, log in zip(outputs, logs))
     assert sum(log.count("\n iter ") for log in logs) == 4, logs
+    assert (tmp_path / "run/flight_recorder").is_dir()  # NCCL's dumps on a timeout land beside the run
 
     # a node started with another NPROC (a config valid at both its world sizes): torchrun makes a world of 3
     # that no node checked; every rank refuses it. Node 0 hosts the store: its exit ends node 1's torchrun too

@@ -1,0 +1,138 @@
+"""launch/common.sh's filter and summary from a recorded torchrun report, fed by a stand-in for torchrun (a second
+each): the races a real run cannot force (a rank's error followed by a peer's traceback; a killed rank that
+torchrun did not see fail first; an error from rank 1 alone, or from both ranks, rank 1's copy first), and which
+rank prints an error (training/errors.py). The real launches: tests/test_launch_summary.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT = "W1202 07:12:25.561000 29926 torch/distributed/elastic/multiprocessing/api.py"
+TORCHRUN_TRACEBACK = """Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "<frozen runpy>", line 88, in _run_code
+  File "/venv/lib/python3.12/site-packages/torch/distributed/run.py", line 1142, in <module>
+    main()
+  File "/venv/lib/python3.12/site-packages/torch/distributed/launcher/api.py", line 386, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-02_07:12:25
+  host      : localhost
+  rank      : {other} (local_rank: {other})
+  exitcode  : {other_code} (pid: 30076) {other_signal}
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 30076
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_07:12:25
+  host      : localhost
+  rank      : {root} (local_rank: {root})
+  exitcode  : {root_code} (pid: 30075)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""  # torch 2.14's report when a rank failed, as its output has it
+
+
+WORKER_TRACEBACK = """Traceback (most recent call last):
+  File "/work/main/train.py", line 37, in <module>
+    main()
+RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:51814
+"""
+
+
+def fake_torchrun(tmp_path: Path, stdout: str, stderr: str, status: int, **env: str) -> subprocess.CompletedProcess:
+    """launch/common.sh's run_or_print around a stand-in for torchrun that prints what torchrun and its ranks
+    printed and exits with torchrun's status: the summary from a known report, in a second."""
+    (tmp_path / "out").write_text(stdout)
+    (tmp_path / "err").write_text(stderr)
+    script = 'source launch/common.sh; run_or_print bash -c \'cat "$OUT"; cat "$ERR" >&2; exit "$STATUS"\''
+    env = dict(os.environ, OUT=str(tmp_path / "out"), ERR=str(tmp_path / "err"), STATUS=str(status),
+               RUN_DIR=str(tmp_path / "default"), RESUME_CMD="launch/train.sh x=1", **env)
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_ranks_error_is_the_last_word_before_one_line_naming_that_rank(tmp_path):
+    """Rank 0 exits 2 with its error; torchrun stops rank 1 (-15) after its traceback (a broken connection)."""
+    error = "error: sample 7 of data/x holds token id 9999, beyond the vocabulary (384)"
+    stderr = (f"{error}\n{AGENT}:1028] Sending process 30076 closing signal SIGTERM\n{WORKER_TRACEBACK}"
+              f"{AGENT}:1002] failed (exitcode: 2) local_rank: 0 (pid: 30075) of binary: python\n" +
+              TORCHRUN_TRACEBACK.format(other=1, other_code=-15, other_signal=" (SIGTERM)", root=0, root_code=2))
+    done = fake_torchrun(tmp_path, "", stderr, 1)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-2:] == [
+        error, f"error: training failed: rank 0 exited with code 2 (the user's error, above), the first to fail, "
+               f"after 0 of MAX_RESTARTS=0 restart(s); run dir {tmp_path}/default; the newest checkpoint: none in "
+               f"{tmp_path}/default/checkpoints"]  # no checkpoint: no command to resume
+    assert WORKER_TRACEBACK in done.stderr  # a rank's own traceback is shown, torchrun's report is not
+    for noise in ("ChildFailedError", "run.py", "closing signal", "failed (exitcode", "-15"):
+        assert noise not in done.stderr
+
+
+def test_a_killed_rank_is_blamed_not_the_peer_torchrun_saw_first(tmp_path):
+    """torchrun's "first observed" is rank 0 (exit 1: its peer vanished); rank 1 was SIGKILLed (OOM killer), in the
+    second attempt (MAX_RESTARTS=1: torchrun logs its restarts at INFO, which it does not print; rank 0's "run dir:"
+    line starts each attempt)."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "elsewhere"
+    checkpoints.mkdir()
+    (checkpoints / "latest").write_text("iter_0000004")
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(f"model:\n  dir: x\ncheckpoint:\n  dir: {checkpoints}\n  load: auto\n")
+    stderr = WORKER_TRACEBACK + TORCHRUN_TRACEBACK.format(other=1, other_code=-9, other_signal=" (SIGKILL)", root=0,
+                                                          root_code=1)
+    done = fake_torchrun(tmp_path, f"run dir: {run_dir}\n iter 5\nrun dir: {run_dir}\n iter 5\n", stderr, 1,
+                         MAX_RESTARTS="1")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"error: training failed: rank 1 exited with code -9 (killed by signal 9), the first to fail, after 1 of "
+        f"MAX_RESTARTS=1 restart(s); run dir {run_dir}; the newest checkpoint: {checkpoints}/iter_0000004; resume "
+        f"with: RUN_DIR={run_dir} launch/train.sh x=1")  # the run dir rank 0 reported, the config's checkpoint.dir
+
+
+def report(root: int, root_code: int, other: int) -> str:
+    return TORCHRUN_TRACEBACK.format(other=other, other_code=-15, other_signal=" (SIGTERM)", root=root,
+                                     root_code=root_code)
+
+
+def test_an_error_of_rank_1_alone_reaches_the_user_one_said_by_every_rank_is_said_once(tmp_path):
+    """Under the launcher every rank prints its errors (training/errors.py), the other ranks as `error: rank N:`;
+    the filter shows such a line only if no rank said the same without the prefix."""
+    alone = "error: rank 1: data.paths: data/x_text_document.bin holds token id 9999, beyond the vocabulary (384)"
+    done = fake_torchrun(tmp_path, "", f"{alone}\n{WORKER_TRACEBACK}{report(1, 2, 0)}", 1)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-2:] == [alone, (
+        f"error: training failed: rank 1 exited with code 2 (the user's error, above), the first to fail, after 0 of "
+        f"MAX_RESTARTS=0 restart(s); run dir {tmp_path}/default; the newest checkpoint: none in "
+        f"{tmp_path}/default/checkpoints")]
+    same = "checkpoint x is incomplete or not a checkpoint"
+    done = fake_torchrun(tmp_path, "", f"error: rank 1: {same}\nerror: {same}\n{report(0, 2, 1)}", 1)
+    assert done.returncode == 2 and [line for line in done.stderr.splitlines() if same in line] == [
+        f"error: {same}"], done.stderr
+
+
+def test_which_rank_prints_an_error(monkeypatch, capsys):
+    """Rank 0 prints an error raised on every rank; another rank prints its errors only under the launcher (with
+    its rank), or when it raised the error alone (TemplateError(rank=N), whose message names it)."""
+    from training.errors import EVERY_RANK, TemplateError, print_error
+
+    def printed(rank: str, err: BaseException, launcher: bool) -> str:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv(EVERY_RANK, "1" if launcher else "0")
+        print_error(err)
+        return capsys.readouterr().err
+
+    everywhere, alone = TemplateError("bad\nworse"), TemplateError("saving failed on rank 1", rank=1)
+    assert printed("0", everywhere, False) == printed("0", everywhere, True) == "error: bad\nerror: worse\n"
+    assert printed("1", everywhere, False) == ""
+    assert printed("1", everywhere, True) == "error: rank 1: bad\nerror: rank 1: worse\n"
+    assert printed("1", alone, False) == printed("1", alone, True) == "error: saving failed on rank 1\n"
