@@ -57,17 +57,27 @@ def test_launch_train_sh_tp2_loss_falls_and_metrics_are_written(tmp_path):
 
 
 def test_preprocess_then_train_on_your_own_text(tmp_path):
-    """tools/preprocess_data.py -> data.paths=[P] -> launch/train.sh trains with a falling loss."""
+    """tools/preprocess_data.py -> data.paths=[P] -> launch/train.sh trains with a falling loss. The text (real
+    prose) comes as users' corpora do: Parquet shards (a glob), a `datasets` save_to_disk folder, a .jsonl.zst."""
     import sys
+
+    import zstandard
+    from test_data_inputs import jsonl, save_to_disk, write_parquet
 
     from training.data.datasets import embedded_documents
 
-    corpus = tmp_path / "corpus.txt"  # one document per line: real prose, as a user's corpus would be
-    corpus.write_text("\n".join(" ".join(doc.split()) for doc in embedded_documents()) + "\n")
+    docs = embedded_documents()
+    (tmp_path / "shards").mkdir()
+    write_parquet(tmp_path / "shards" / "part-0.parquet", docs[:15])
+    write_parquet(tmp_path / "shards" / "part-1.parquet", docs[15:30])
+    save_to_disk(tmp_path / "saved", [docs[30:55]])
+    (tmp_path / "rest.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl(docs[55:])))
     prefix = tmp_path / "data" / "corpus"
-    proc = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
-                           str(prefix), "--tokenizer", "byte"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "shards" / "*"),
+                           str(tmp_path / "saved"), str(tmp_path / "rest.jsonl.zst"), "--output-prefix", str(prefix),
+                           "--tokenizer", "byte"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"from 4 file(s): {len(docs)} documents" in proc.stdout, proc.stdout
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, NPROC="2", RUN_DIR=str(run_dir))
