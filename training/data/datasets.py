@@ -13,6 +13,7 @@ indexed format the first time and cached.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,6 +37,23 @@ def cache_dir(cfg: Config) -> Path:
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else REPO_ROOT / ".cache"
 
 
+@contextlib.contextmanager
+def written_atomically(prefix: str | Path):
+    """Yields a temporary prefix to write PREFIX.bin/.idx/.json under; renamed to `prefix` when the block ends,
+    removed if it raises: a crash never leaves a half dataset and never litters the output folder."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = prefix.with_name(f"{prefix.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        for suffix in (".bin", ".idx", ".json"):
+            os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    except BaseException:
+        for suffix in (".bin", ".idx", ".json"):
+            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+        raise
+
+
 def write_indexed(prefix: str | Path, documents, tokenizer) -> int:
     """Write token-id documents (EOD appended to each) as prefix.bin/.idx + prefix.json metadata.
 
@@ -44,22 +62,13 @@ def write_indexed(prefix: str | Path, documents, tokenizer) -> int:
     skipped. Files are written under temporary names and renamed only when complete, and the temporary
     files are removed if anything fails (the iterable included), so a crash never leaves a half dataset
     and never litters the output folder. Returns the number of documents."""
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    tmp = prefix.with_name(f"{prefix.name}.tmp{os.getpid()}")
-    try:
+    with written_atomically(prefix) as tmp:
         count, tokens = _write_bin_idx(tmp, documents, tokenizer)
         if count == 0:
             raise ConfigError(f"no documents to write for {prefix} (the input is empty)")
         meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
                 "documents": count, "tokens": tokens}
         Path(f"{tmp}.json").write_text(json.dumps(meta, indent=1) + "\n")
-        for suffix in (".bin", ".idx", ".json"):
-            os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
-    except BaseException:
-        for suffix in (".bin", ".idx", ".json"):
-            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
-        raise
     return count
 
 
@@ -187,8 +196,14 @@ def build_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_d
 
     Every rank calls this (the builder synchronises: rank 0 writes the index caches first);
     ranks with `needs_data=False` (middle pipeline stages) get None."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import (
+        GPTDataset,
+        GPTDatasetConfig,
+        MockGPTDataset,
+    )
 
     d = cfg.data
     blend = None

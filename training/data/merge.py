@@ -7,7 +7,6 @@ tokens and document boundaries, in order), after checking every part and that on
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,7 +36,7 @@ def merge_indexed(parts: list[str], prefix: str) -> dict:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     from training.config.paths import prefix_problem
-    from training.data.datasets import check_prefix
+    from training.data.datasets import check_prefix, written_atomically
 
     for part in parts:  # missing, partial or empty: said before anything about its PREFIX.json
         if problem := prefix_problem(part):
@@ -54,10 +53,7 @@ def merge_indexed(parts: list[str], prefix: str) -> dict:
             check_prefix(part, tokenizer)  # a truncated .bin or a corrupt .idx
         except ConfigError as err:
             raise ConfigError(str(err).removeprefix("data.paths: ")) from None
-    out = Path(prefix)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    try:
+    with written_atomically(prefix) as tmp:
         builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
         try:
             for part in parts:
@@ -69,10 +65,4 @@ def merge_indexed(parts: list[str], prefix: str) -> dict:
                   "documents": sum(m.get("documents", 0) for m in metas),
                   "tokens": sum(m.get("tokens", 0) for m in metas), "merged_from": [str(p) for p in parts]}
         Path(f"{tmp}.json").write_text(json.dumps(merged, indent=1) + "\n")
-        for suffix in (".bin", ".idx", ".json"):
-            os.replace(f"{tmp}{suffix}", f"{out}{suffix}")
-    except BaseException:
-        for suffix in (".bin", ".idx", ".json"):
-            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
-        raise
     return merged
