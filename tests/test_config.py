@@ -167,7 +167,8 @@ def test_check_config_cli_prints_one_line_per_problem(tmp_path):
     assert f"MASTER_PORT={port} is not free" in proc.stderr
 
 
-UNKNOWN = {  # override -> the one line: with or without `+`, in a {...} value, a group's name, a bare leaf name
+UNKNOWN = {  # override -> the one line: with or without `+`, in a {...} value, a group's name, a bare leaf name;
+    # or a group added with `+`
     "paralel.tp=2": "unknown key 'paralel.tp' (did you mean parallel.tp?)",
     "+paralel.tp=2": "unknown key 'paralel.tp' (did you mean parallel.tp?)",
     "++train.iter=5": "unknown key 'train.iter' (did you mean train.iters?)",
@@ -176,6 +177,9 @@ UNKNOWN = {  # override -> the one line: with or without `+`, in a {...} value, 
     "paralel=tp2_sp": "unknown key 'paralel' (did you mean parallel?)",
     "tp=2": "unknown key 'tp' (did you mean parallel.tp?)",
     "+zzz=1": "unknown key 'zzz' (the keys are in training/config/schema.py)",
+    # a group that conf/config.yaml already selects (Hydra: "Multiple values for experiment...")
+    "+experiment=tiny_tp2_sp": "'+experiment=...' adds a config group, but experiment is already one "
+                               "(conf/config.yaml's defaults): write experiment=tiny_tp2_sp",
 }
 
 

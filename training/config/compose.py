@@ -62,6 +62,9 @@ def check_keys(overrides: list[str]) -> None:
     known = set(schema_keys())
     for override in OverridesParser.create().parse_overrides(overrides):
         key = override.key_or_group
+        if (CONF_DIR / key).is_dir() and override.is_add():  # Hydra: "Multiple values for experiment. ..."
+            raise ConfigError(f"'+{key}=...' adds a config group, but {key} is already one (conf/config.yaml's "
+                              f"defaults): write {override.input_line.lstrip('+')}")
         if override.is_hydra_override() or key == "hydra" or "/" in key or (CONF_DIR / key).is_dir():
             continue
         if key not in known:
