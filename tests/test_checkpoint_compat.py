@@ -1,12 +1,16 @@
 """Checkpoints written by earlier versions of the template still load and resume the run exactly.
 
 tests/fixtures/ckpt_pre_redesign/ (its README says how it was made): a 1-process run's iteration-2
-checkpoint and that run's metrics; resuming it must reproduce iterations 3 and 4 bit for bit."""
+checkpoint and that run's metrics; resuming it must reproduce iterations 3 and 4: the lr exactly, the loss and
+grad norm to 1e-6 (bit for bit in earlier CI runs; on an AVX-512 machine the grad norm's last bits differed,
+0.98464565 vs 0.98464559, with the loss still exact: the CPU kernels' summation order alone. A wrong model, optimizer
+state, RNG or data position moves them by far more)."""
 
 import json
 import shutil
 from pathlib import Path
 
+import pytest
 from harness import run_distributed
 from runs import _train
 
@@ -31,5 +35,6 @@ def test_a_pre_redesign_checkpoint_resumes_bit_identically(tmp_path):
     recorded, resumed = _records(FIXTURE / "metrics.jsonl"), _records(run_dir / "metrics.jsonl")
     assert sorted(resumed) == [3, 4]
     # loss and grad norm (model, optimizer, RNG, data position) and lr (the scheduler: the losses of
-    # iterations 3 and 4 do not see it yet), exact float equality
-    assert resumed == {i: recorded[i] for i in (3, 4)}
+    # iterations 3 and 4 do not see it yet)
+    for i in (3, 4):
+        assert resumed[i][:2] == pytest.approx(recorded[i][:2], rel=1e-6, abs=0) and resumed[i][2] == recorded[i][2]
