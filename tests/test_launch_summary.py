@@ -36,6 +36,13 @@ METADATA_4 = "fail:0:*/iter_0000004/.metadata*"  # rank 0's .metadata of iterati
 ENOSPC = "OSError: [Errno 28] No space left on device"
 
 
+def interruptible() -> None:
+    """Ctrl-C's default disposition, as a terminal's foreground job has: a test run started in the background of a
+    non-interactive shell (`make test &`) inherits SIGINT ignored, and a bash script cannot trap a signal ignored
+    on entry (the launch script's Ctrl-C relay would never run)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launch(tmp_path: Path, name: str, overrides: list[str], **env: str) -> tuple[subprocess.Popen, Path, Path]:
     """launch/train.sh with RUN_DIR=<tmp>/default but hydra.run.dir=<tmp>/<name>: the override must win."""
     run_dir, log = tmp_path / name, tmp_path / f"{name}.log"
@@ -46,7 +53,8 @@ def launch(tmp_path: Path, name: str, overrides: list[str], **env: str) -> tuple
     with log.open("w") as out:  # a file, not a pipe: nothing blocks however much the job prints
         job = subprocess.Popen(["launch/train.sh", *QUICK, *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT,
                                env=environment, stdout=out, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)  # its own process group, as a batch job step has
+                               start_new_session=True,  # its own process group, as a batch job step has
+                               preexec_fn=interruptible)
     return job, run_dir, log
 
 
