@@ -46,6 +46,21 @@ def test_resume_from_iteration_10_is_bit_identical(layout, uninterrupted, tmp_pa
     assert {i: full[i] for i in resumed} == resumed  # exact float equality, every iteration
 
 
+def test_async_save_trains_the_same_and_resumes_bit_identical(uninterrupted, tmp_path):
+    """checkpoint.async_save: the same losses as saving synchronously, complete checkpoints, and a run resumed
+    from one continues bit for bit (its model, optimizer, schedule, RNG and data position were written while
+    training went on, from the state at the save)."""
+    full_dir, full = uninterrupted("pp2")
+    extra, world = LAYOUTS["pp2"]
+    written = train(SAVE_AT_10 + extra + ["checkpoint.async_save=true"], world, tmp_path / "async")
+    assert written == full
+    ckpts = tmp_path / "async" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "iter_0000020"
+    assert all((ckpts / name / "run.json").is_file() for name in ("iter_0000010", "iter_0000020"))
+    resumed = train(SAVE_AT_10 + extra + [f"checkpoint.load={ckpts}/iter_0000010"], world, tmp_path / "resume")
+    assert resumed == {i: full[i] for i in range(11, 21)}
+
+
 def _moments_after_load(overrides: list[str], checkpoint_dir: str) -> dict:
     """Build a layout, load the checkpoint, return each local parameter's Adam moments and shard info
     (distributed optimizer at DP=1: each rank's optimizer shard is its whole, flattened parameter)."""

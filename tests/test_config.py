@@ -89,6 +89,9 @@ INVALID = {
                             "data.weights has 1 entries but data.paths has 2"),
     "missing-checkpoint": (["checkpoint.load=/nonexistent/ckpt"], 1,
                            "checkpoint.load=/nonexistent/ckpt does not exist"),
+    "async-save-with-fsdp": (["parallel.fsdp=optim_grads", "checkpoint.async_save=true"], 1,
+                             "checkpoint.async_save=true writes Megatron-Core's torch_dist format; "
+                             "parallel.fsdp=optim_grads saves synchronously"),
     "zero-micro-batch": (["train.micro_batch_size=0"], 1, "train.micro_batch_size=0 must be >= 1"),
 }
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.nvrx import has_nvrx_async_support
 
 from training.checkpoint import rng
 from training.checkpoint.common import Start, check_same_optimizer, loading, model_keys, same_tp_pp
@@ -27,6 +28,11 @@ from training.shims import upstream_fixes
 
 if TYPE_CHECKING:
     from training.engine.build import TrainState
+
+# Background writes: nvidia-resiliency-ext's implementation where installed (NGC containers), else Megatron-Core's
+# own ("mcore": a forked writer per save; deprecated upstream in favour of nvrx, still the one the synchronous
+# save runs through)
+ASYNC_STRATEGY = "nvrx" if has_nvrx_async_support() else "mcore"
 
 
 def sharded_metadata(cfg: Config) -> dict:
@@ -64,12 +70,15 @@ def state_dict(cfg: Config, state: TrainState, is_loading: bool, with_rng: bool 
     return sharded
 
 
-def save(cfg: Config, state: TrainState, path: Path, extra: dict, model_only: bool) -> None:
+def save(cfg: Config, state: TrainState, path: Path, extra: dict, model_only: bool, background: bool = False):
     """Write this rank's shards into `path` (every rank calls it); extra: iteration, consumed_samples.
-    model_only: the weights alone (conversions)."""
+    model_only: the weights alone (conversions). background: plan the save (its collectives run now) and
+    return Megatron-Core's AsyncRequest, which writes the shards and then, finalized on every rank, the
+    metadata (background.py schedules it)."""
     sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only)
     sharded.update(extra)
-    dist_checkpointing.save(sharded, str(path), verify_integrity=True)
+    return dist_checkpointing.save(sharded, str(path), verify_integrity=True, async_sharded_save=background,
+                                   async_strategy=ASYNC_STRATEGY)
 
 
 def load_weights(cfg: Config, path: Path, chunks: list) -> None:

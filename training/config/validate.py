@@ -117,6 +117,9 @@ def run_problems(cfg: Config) -> list[str]:
          f"data.weights={d.weights} must be >= 0 with a positive sum"),
         (t.wandb.mode == "disabled" or find_spec("wandb") is not None, wandb_missing(t.wandb.mode)),
         (c.keep >= 0, f"checkpoint.keep={c.keep} must be >= 0"),
+        (not c.async_save or cfg.parallel.fsdp == "none",
+         f"checkpoint.async_save=true writes Megatron-Core's torch_dist format; parallel.fsdp={cfg.parallel.fsdp} "
+         f"saves synchronously: set checkpoint.async_save=false"),
         (not c.finetune or c.load not in (None, "auto"),
          f"checkpoint.finetune=true needs checkpoint.load=<a checkpoint path> (got {c.load})"),
         (c.load in (None, "auto") or os.path.exists(c.load),

@@ -96,36 +96,39 @@ def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
         logger = MetricsLogger(run_dir, t.iters, D.is_rank0(), t.tensorboard, WandbSink(cfg, run_dir, r.start.resumed))
         profiler = Profiler(cfg, run_dir, D.is_rank0())
         save_clock = SaveClock(cfg)  # train.save_interval / save_interval_minutes (the end and a stop save too)
-        watchdog = Watchdog.of(cfg)  # a rank stalled in a step, an evaluation or a save: named, then exit 3
-        throughput = Throughput(cfg, state.shape, layout, info.device)
-        skipped, last = 0, {}
-        while iteration < t.iters:
-            profiler.step(iteration)
-            with watchdog.phase("step", iteration + 1):
-                result = train_step(state, r.train_data, layout, cfg, info.device)
-            iteration, consumed, skipped = iteration + 1, consumed + t.global_batch_size, skipped + result.skipped
-            throughput.stepped()
-            if iteration % t.log_interval == 0 or iteration == t.iters:
-                record = throughput.record(iteration, result, state, consumed, skipped, restarts)
-                logger.log(record)
-                last = record.as_dict()
-            if t.eval_interval and iteration % t.eval_interval == 0:
-                with watchdog.phase("evaluation", iteration):
-                    logger.log(dict(iteration=iteration, val_loss=evaluate(state, r.valid_data, layout, cfg,
-                                                                           info.device)))
-                throughput.pause()
-            if save_clock.due(iteration):
-                with watchdog.phase("save", iteration):
-                    if checkpoint.save(cfg, state, iteration, consumed, run_dir, r.train_samples) is not None:
-                        saved_at = iteration
-                        save_clock.saved()
-                throughput.pause()
-            if stopper.should_stop(iteration):
-                D.print0(f"stopping at iteration {iteration}: {stopper.reason}")
-                break
-        if cfg.checkpoint.dir is not None and saved_at != iteration:  # the end, or an early stop
+        with checkpoint.Saver(cfg, run_dir, r.train_samples) as saver:  # checkpoint.async_save: in the background
+            watchdog = Watchdog.of(cfg)  # a rank stalled in a step, an evaluation or a save: named, then exit 3
+            throughput = Throughput(cfg, state.shape, layout, info.device)
+            skipped, last = 0, {}
+            while iteration < t.iters:
+                profiler.step(iteration)
+                with watchdog.phase("step", iteration + 1):
+                    result = train_step(state, r.train_data, layout, cfg, info.device)
+                iteration, consumed, skipped = iteration + 1, consumed + t.global_batch_size, skipped + result.skipped
+                throughput.stepped()
+                if iteration % t.log_interval == 0 or iteration == t.iters:
+                    record = throughput.record(iteration, result, state, consumed, skipped, restarts)
+                    logger.log(record)
+                    last = record.as_dict()
+                if t.eval_interval and iteration % t.eval_interval == 0:
+                    with watchdog.phase("evaluation", iteration):
+                        logger.log(dict(iteration=iteration, val_loss=evaluate(state, r.valid_data, layout, cfg,
+                                                                               info.device)))
+                    throughput.pause()
+                if save_clock.due(iteration):
+                    with watchdog.phase("save", iteration):
+                        if saver.save(state, iteration, consumed):
+                            saved_at = iteration
+                            save_clock.saved()
+                    throughput.pause()
+                saver.poll()  # a background write that finished becomes `latest`
+                if stopper.should_stop(iteration):
+                    D.print0(f"stopping at iteration {iteration}: {stopper.reason}")
+                    break
             with watchdog.phase("save", iteration):
-                checkpoint.save(cfg, state, iteration, consumed, run_dir, r.train_samples)
+                if cfg.checkpoint.dir is not None and saved_at != iteration:  # the end, or an early stop
+                    saver.save(state, iteration, consumed)
+                saver.close()  # the write in flight completes before the run ends
         watchdog.close()
         profiler.close()
         logger.close()
