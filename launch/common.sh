@@ -76,62 +76,12 @@ override_value() {
   printf '%s' "$value"
 }
 
-# What torchrun writes passes through two awk filters (mawk reads a pipe in blocks unless -W interactive).
-# They show everything as it comes except torchrun's own report: its traceback when signalled
-# (SignalException) or when a rank failed (ChildFailedError and the failures block) and its "Sending process
-# ... closing signal" / "failed (exitcode ...)" lines; and note for the summary, as they happen, in NOTES:
-# `sig N` (torchrun got signal N), `fail RANK CODE ROOT` (torchrun's report; ROOT=1: its "first observed"),
-# `restart` (only if torchrun logs at INFO), `err LINE` (the ranks' `error: ...` lines; `errs` starts a block),
-# `out` (a line after them), `rundir DIR` and `stop N` (rank 0's "run dir:" and "stopping at iteration N" lines,
-# stdout). The other ranks print their errors too, as `error: rank N: ...` (training/errors.py, EVERY_RANK): such
-# a line waits until torchrun ends and is shown only if no rank said the same without the prefix: an error raised
-# on every rank is said once (by rank 0), one raised on rank N alone is not lost.
+# What torchrun writes passes through two awk filters (mawk reads a pipe in blocks unless -W interactive): on
+# stderr launch/filter.awk (it drops torchrun's own report and notes what the summary needs in NOTES); on stdout
+# STDOUT_WATCH, which notes `rundir DIR` and `stop N` (rank 0's "run dir:" and "stopping at iteration N" lines).
 AWK=(awk)
 awk -W version 2>/dev/null | grep -q mawk && AWK=(awk -W interactive)
-# shellcheck disable=SC2016  # awk programs: $0 is awk's
-STDERR_FILTER='
-function note(s) { print s >> notes; fflush(notes) }
-function flush_held(  i) { for (i = 1; i <= held; i++) show(hold[i]); held = 0 }
-function said_as(line) { sub(/^error: (rank [0-9]+: )?/, "", line); return line }
-function show(line) {
-  print line; fflush()
-  if (line ~ /^error: /) { said[said_as(line)] = 1; if (!inerr) note("errs"); note("err " line); inerr = 1; after = 0 }
-  else if (inerr || !after) { if (inerr) note("out"); inerr = 0; after = 1 }
-}
-function flush_ranks(  i) {  # the other ranks'"'"' errors that no rank said without the prefix
-  for (i = 1; i <= ranked; i++) if (!(said_as(rank_err[i]) in said)) show(rank_err[i])
-  ranked = 0; split("", waiting)
-}
-mode == "" && /^Traceback \(most recent call last\):$/ { mode = "tb"; held = 0; hold[++held] = $0; next }
-mode == "tb" {
-  hold[++held] = $0
-  if ($0 ~ /^  File "<frozen runpy>"/) next
-  if ($0 ~ /^  File ".*torch\/distributed\/run\.py"/) { mode = "torchrun"; next }
-  mode = ""; flush_held(); next  # a rank'"'"'s traceback: shown
-}
-mode == "torchrun" {
-  if ($0 ~ /^[ \t]/ || $0 == "") { hold[++held] = $0; next }
-  if ($0 ~ /SignalException: .* got signal: [0-9]+$/) { note("sig " $NF); mode = ""; held = 0; next }
-  if ($0 ~ /ChildFailedError:/) { mode = "report"; root = 0; held = 0; next }
-  hold[++held] = $0; mode = ""; flush_held(); next  # torchrun failed itself (rendezvous, ...): shown
-}
-mode == "report" {
-  if ($0 ~ /^Root Cause/) root = 1
-  else if ($1 == "rank" && $2 == ":") rank = $3
-  else if ($1 == "exitcode" && $2 == ":") note("fail " rank " " $3 " " root)
-  else if (root && $0 ~ /^=+$/) mode = ""
-  next
-}
-/\] Sending process [0-9]+ closing signal / || /\] failed \(exitcode: -?[0-9]+\) local_rank: / { next }
-/\] Received .* death signal, shutting down workers/ { next }
-/will restart worker group/ { flush_ranks(); note("restart") }
-/^error: rank [1-9][0-9]*: / {
-  k = said_as($0)
-  if (!(k in said) && !(k in waiting)) { waiting[k] = 1; rank_err[++ranked] = $0 }
-  next
-}
-{ show($0) }
-END { flush_held(); flush_ranks() }'
+STDERR_FILTER="$(dirname "${BASH_SOURCE[0]}")/filter.awk"
 # shellcheck disable=SC2016
 STDOUT_WATCH='
 { print; fflush() }
@@ -162,7 +112,7 @@ run_or_print() {
   trap '' USR1  # inherited by the filters and torchrun; the workers install their own handler
   exec {out_fd}> >(trap '' TERM INT; exec "${AWK[@]}" -v notes="$NOTES" "$STDOUT_WATCH")
   out_pid=$!
-  exec {err_fd}> >(trap '' TERM INT; exec "${AWK[@]}" -v notes="$NOTES" "$STDERR_FILTER" >&2)
+  exec {err_fd}> >(trap '' TERM INT; exec "${AWK[@]}" -v notes="$NOTES" -f "$STDERR_FILTER" >&2)
   err_pid=$!
   $(command -v setsid || true) "$@" 1>&"$out_fd" 2>&"$err_fd" &
   launched=$!
@@ -251,9 +201,11 @@ stop_summary() {
 # failure_summary STATUS: one line naming the rank that failed first, from torchrun's report (the ranks it
 # stopped itself, by SIGTERM, last; a rank that exited 2, the user's error, or was killed by another signal
 # first; then torchrun's own "first observed"), the run dir, the newest checkpoint and, only if there is one,
-# the command that resumes from it. Exit (summary_status) 2 or 3 when that rank exited so, else STATUS.
+# the command that resumes from it. Exit (summary_status) 2 or 3 when that rank exited so, else STATUS. Another
+# node's torchrun (launch/multinode.sh) that lost node 0's rendezvous store (`rdzv lost`: node 0's torchrun ended)
+# says so; one that never reached it (`rdzv connect`) says where it looked, exit 2.
 failure_summary() {
-  local first rank code how="" dir ckpts latest restarts where
+  local first rank code how="" dir ckpts latest restarts where rdzv
   first=$(awk '$1 == "fail" { c = $3 + 0; k = (c == 2) ? 0 : (c < 0 && c != -15) ? 1 : (c != -15) ? 2 : 3
                              k = 2 * k + ($4 == 1 ? 0 : 1); if (best == "" || k < best) { best = k; f = $2 " " $3 } }
                 END { print f }' "$NOTES")
@@ -280,8 +232,18 @@ failure_summary() {
   else
     where="the newest checkpoint: none $([ -n "$ckpts" ] && echo "in $ckpts" || echo "(checkpoint.dir is null)")"
   fi
-  echo "error: training failed: $([ -n "$rank" ] && echo "rank $rank exited with code $code$how, the first to fail" ||
-       echo "torchrun exited with code $1"), after $restarts of MAX_RESTARTS=${MAX_RESTARTS:-0} restart(s);" \
+  rdzv=""
+  [ -n "$rank" ] || rdzv=$(note rdzv)
+  if [ "$rdzv" = connect ]; then  # the launch of another node: not this one's to report
+    summary_status=2
+    echo "error: node ${NODE_RANK:-0} found no rendezvous at ${MASTER_ADDR:-}:${MASTER_PORT:-} within" \
+         "RDZV_TIMEOUT=${RDZV_TIMEOUT:-} s (torch tries twice): node 0 did not start (its output, $dir/logs/node0.log," \
+         "says why) or MASTER_ADDR:MASTER_PORT is not node 0's" >&2
+    return
+  fi
+  echo "error: training failed: $(if [ -n "$rank" ]; then echo "rank $rank exited with code $code$how, the first to fail"
+       elif [ "$rdzv" = lost ]; then echo "node 0's torchrun ended (the job failed on a node: see $dir/logs/node*.log)"
+       else echo "torchrun exited with code $1"; fi), after $restarts of MAX_RESTARTS=${MAX_RESTARTS:-0} restart(s);" \
        "run dir $dir; $where" >&2
 }
 

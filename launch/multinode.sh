@@ -22,7 +22,8 @@
 #                Never derived from a clock: each node's would differ. A hydra.run.dir=... override wins.
 #   LOCAL_ADDR   this node's address as the others reach it (default: its FQDN, torch's choice)
 #   RDZV_TIMEOUT seconds a node waits for node 0's rendezvous store (default 900: the nodes may start in any
-#                order within it; torch's own is 60)
+#                order within it; torch's own is 60; torch tries twice). A node whose node 0 never starts (its
+#                config check refused) or ends says so in one line (docs/launch.md); under SLURM srun ends it.
 #   MAX_RESTARTS times torchrun restarts every rank of the job after one dies (default 0): each restart
 #                resumes from the newest complete checkpoint in RUN_DIR
 #   PYTHON, DRY_RUN=1   as in launch/train.sh; NCCL/Megatron-Core environment in launch/common.sh
@@ -63,9 +64,9 @@ check_config "$((NNODES * NPROC))" "$([ "$is_host" = 1 ] && echo "$MASTER_PORT")
 # torchrun sums the nodes' own NPROC: the ranks compare the job's size with the one checked here (entry.py)
 export LAUNCH_WORLD_SIZE="$((NNODES * NPROC))"
 if [ "${DRY_RUN:-0}" != 1 ]; then  # this node's log, beside the shared console (slurm-%j.out interleaves nodes)
-  mkdir -p "$RUN_DIR/logs"
-  exec > >(trap '' TERM INT; exec tee -a "$RUN_DIR/logs/node$NODE_RANK.log") \
-       2> >(trap '' TERM INT; exec tee -a "$RUN_DIR/logs/node$NODE_RANK.log" >&2)
+  mkdir -p "$RUN_DIR/logs"  # tee outlives the stop signals (SLURM sends them to every process of the step)
+  exec > >(trap '' TERM INT USR1; exec tee -a "$RUN_DIR/logs/node$NODE_RANK.log") \
+       2> >(trap '' TERM INT USR1; exec tee -a "$RUN_DIR/logs/node$NODE_RANK.log" >&2)
 fi
 cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS"
      --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_ID"

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import free_port
+from runs import QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["train.log_interval=1", "train.eval_interval=0", "train.micro_batch_size=2",
@@ -230,54 +231,65 @@ def test_two_nodes_on_one_machine_train_together(tmp_path):
                 f"this node runs {rank + 1}): start every node with the same NPROC") in output, output
 
 
-FAKE_SLURM = {  # just enough SLURM for launch/slurm.sbatch on one machine
-    "srun": 'echo $$ > "$FAKE_SLURM/step.pid"; while [[ $1 == --* ]]; do shift; done; exec "$@"',
-    "scancel": 'kill -USR1 "$(cat "$FAKE_SLURM/step.pid")"',  # to the step's launch script, which relays it
-    "scontrol": 'echo "$*" >> "$FAKE_SLURM/scontrol.log"',
-}
+SLURM_FAKES = ROOT / "tests" / "fixtures" / "fake_slurm"  # srun, scancel (every process of the step), scontrol, squeue
+SAVE_FAULTS = ROOT / "tests" / "fixtures" / "save_faults"  # SAVE_FAULT=hold:<rank>:<glob>: the save waits for a file
+SLURM_RUN = [*QUICK, "train.iters=4", "train.save_interval=1"]
+
+
+def slurm_job(tmp_path: Path, env: dict, name: str, **extra: str) -> tuple[int, str]:
+    """launch/slurm.sbatch under the fake SLURM (job 77, one node, NPROC=1), to the end: (exit code, output)."""
+    with (tmp_path / f"{name}.log").open("w+") as log:
+        job = subprocess.Popen([str(ROOT / "launch/slurm.sbatch"), *SLURM_RUN], env={**env, **extra}, stdout=log,
+                               stderr=subprocess.STDOUT, text=True)
+        if name == "signalled":  # rank 0 inside the save of iteration 2: the pre-timeout SIGUSR1 to the batch script,
+            for path in (tmp_path / "hold", tmp_path / "scancel.log"):  # its scancel: to every process of the step
+                deadline = time.monotonic() + 300
+                while not path.exists():
+                    assert job.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
+                    time.sleep(0.2)
+                job.send_signal(signal.SIGUSR1) if path.name == "hold" else (tmp_path / "hold.release").touch()
+        code = job.wait(timeout=300)  # (released: the save goes on; the ranks stop after it)
+        log.seek(0)
+        return code, log.read()
 
 
 @pytest.mark.slow
-def test_slurm_pre_timeout_signal_checkpoints_requeues_and_resumes(tmp_path):
-    """SIGUSR1 to the batch script (--signal=B:USR1@120) goes through scancel to the step's launch
-    script, on to the workers (torchrun ignores it): they save and exit 0, the job requeues itself, and
-    the requeued job (same SLURM_JOB_ID, same RUN_DIR) starts from that checkpoint."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in FAKE_SLURM.items():
-        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    env = launch_env(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SLURM=str(tmp_path), SLURM_JOB_ID="77",
+def test_slurm_stops_save_requeue_and_the_requeued_jobs_equal_an_uninterrupted_run(tmp_path):
+    """Job 77 three times, as SLURM would run it: (1) the pre-timeout SIGUSR1 to the batch script (--signal=B:USR1)
+    while rank 0 saves iteration 2; its scancel signals every process of the step (the launch script, its tee and
+    filters, torchrun, the rank): the run stops after that save, exit 0, the job requeues; (2) the requeued job
+    (same SLURM_JOB_ID, so the same RUN_DIR) resumes at 2 under a job end time within EXIT_MARGIN (squeue's): it
+    trains iteration 3, stops at its save deadline, saves, and requeues itself; (3) resumes at 3, trains 4, ends:
+    no requeue. The losses and grad norms of 1..4 equal an uninterrupted launch/train.sh run's, bit for bit."""
+    reference = subprocess.Popen(["launch/train.sh", *SLURM_RUN], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                 stderr=subprocess.STDOUT, env=launch_env(NPROC="1", RUN_DIR=str(tmp_path / "ref")))
+    env = launch_env(PATH=f"{SLURM_FAKES}:{os.environ['PATH']}", FAKE_SLURM=str(tmp_path), SLURM_JOB_ID="77",
                      SLURM_NNODES="1", SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port()), NPROC="1", RUN_DIR=str(tmp_path / "run"),
-                     LOCAL_ADDR="127.0.0.1")
-    job = [str(ROOT / "launch/slurm.sbatch"), *TINY_RUN]
-    proc = subprocess.Popen([*job, "train.iters=1000"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    seen, deadline = [], time.monotonic() + 240
+                     MASTER_PORT=str(free_port()), NPROC="1", RUN_DIR=str(tmp_path / "run"), LOCAL_ADDR="127.0.0.1")
     try:
-        for line in proc.stdout:  # wait until training runs (the workers' handler is installed)
-            seen.append(line)
-            if line.startswith(" iter") or time.monotonic() > deadline:
-                break
-        proc.send_signal(signal.SIGUSR1)
-        seen.append(proc.communicate(timeout=240)[0])
+        code, out = slurm_job(tmp_path, env, "signalled", PYTHONPATH=f"{SAVE_FAULTS}:{ROOT / 'tests'}",
+                              SAVE_FAULT="hold:0:*/iter_0000002/.metadata*", SAVE_FAULT_MARKER=str(tmp_path / "hold"))
+        assert code == 0 and "stopping at iteration 2: received SIGUSR1" in out, out[-4000:]
+        assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"
+        now = time.strftime("%Y-%m-%dT%H:%M:%S")  # squeue's EndTime: the job ends now, within EXIT_MARGIN
+        code, out = slurm_job(tmp_path, env, "deadline", FAKE_END_TIME=now)
+        assert code == 0 and "start at iteration 2 " in out, out[-4000:]
+        assert "warning: the job ends within EXIT_MARGIN=600 s: the run stops after one step" in out, out[-4000:]
+        assert re.search(r"^stopping at iteration 3: the job's time limit is near", out, re.M), out[-4000:]
+        assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n" * 2  # requeued at the deadline
+        code, out = slurm_job(tmp_path, env, "last")
+        assert code == 0 and "start at iteration 3 " in out, out[-4000:]
+        assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n" * 2  # finished: no third requeue
+        ref_out = reference.communicate(timeout=300)[0]
     finally:
-        proc.kill()
-    out = "".join(seen)
-    assert proc.returncode == 0, out
-    stopped = int(re.search(r"stopping at iteration (\d+): received SIGUSR1", out).group(1))
-    assert (tmp_path / f"run/checkpoints/iter_{stopped:07d}").is_dir()
-    assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"
-
-    requeued = subprocess.run([*job, f"train.iters={stopped + 1}"], env=env, capture_output=True, text=True,
-                              timeout=300)  # one more step than the first job reached: it must train it
-    assert requeued.returncode == 0, requeued.stdout + requeued.stderr
-    assert f"start at iteration {stopped} " in requeued.stdout
-    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["iteration"] == stopped + 1 and 0 < records[-1]["loss"] < 20, records[-3:]
-    assert (tmp_path / f"run/checkpoints/iter_{stopped + 1:07d}").is_dir()  # its end-of-run save
-    assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"  # finished: no second requeue
+        reference.kill()
+    assert reference.returncode == 0, ref_out[-4000:]
+    records, ref = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                    for run in ("run", "ref"))
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # each iteration trained once, across three jobs
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in records] == [(r["loss"], r["grad_norm"], r["lr"])
+                                                                       for r in ref]
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").glob("iter_*"))[-1] == "iter_0000004"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")

@@ -56,7 +56,8 @@ def fake_torchrun(tmp_path: Path, stdout: str, stderr: str, status: int, **env: 
     printed and exits with torchrun's status: the summary from a known report, in a second."""
     (tmp_path / "out").write_text(stdout)
     (tmp_path / "err").write_text(stderr)
-    script = 'source launch/common.sh; run_or_print bash -c \'cat "$OUT"; cat "$ERR" >&2; exit "$STATUS"\''
+    script = ('set -euo pipefail; source launch/common.sh; '  # as the launch scripts run it
+              'run_or_print bash -c \'cat "$OUT"; cat "$ERR" >&2; exit "$STATUS"\'')
     env = dict(os.environ, OUT=str(tmp_path / "out"), ERR=str(tmp_path / "err"), STATUS=str(status),
                RUN_DIR=str(tmp_path / "default"), RESUME_CMD="launch/train.sh x=1", **env)
     return subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -97,6 +98,63 @@ def test_a_killed_rank_is_blamed_not_the_peer_torchrun_saw_first(tmp_path):
         f"error: training failed: rank 1 exited with code -9 (killed by signal 9), the first to fail, after 1 of "
         f"MAX_RESTARTS=1 restart(s); run dir {run_dir}; the newest checkpoint: {checkpoints}/iter_0000004; resume "
         f"with: RUN_DIR={run_dir} launch/train.sh x=1")  # the run dir rank 0 reported, the config's checkpoint.dir
+
+
+SITE = "/venv/lib/python3.12/site-packages/torch/distributed"
+STORE_WARNING = """[W1202 14:05:28.860930454 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=3, \
+addr=[::ffff:127.0.0.1]:48070, remote=[::ffff:127.0.0.1]:58463): Failed to recv, got 0 bytes. Connection was likely \
+closed. Did the remote server shutdown or crash?
+Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:790 (most recent call \
+first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7fa9cf6b460d in /venv/torch/lib/libc10.so)
+<omitting python frames>
+frame #29: _start + 0x21 (0x55c2ec554081 in /venv/bin/python)
+
+W1202 14:05:28.547000 7165 {site}/elastic/rendezvous/dynamic_rendezvous.py:1298] The node '127.0.0.1_7165_0' has \
+failed to shutdown the rendezvous 'run3' due to an error of type RendezvousConnectionError.
+"""
+LOST_STORE = """Traceback (most recent call last):
+  File "{site}/elastic/rendezvous/c10d_rendezvous_backend.py", line {line}, in {function}
+    return getattr(self._store, store_op)(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+torch.distributed.DistNetworkError: {cause}
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "{site}/run.py", line 1142, in <module>
+    main()
+  File "{site}/elastic/rendezvous/c10d_rendezvous_backend.py", line 116, in _call_store
+    raise RendezvousConnectionError(
+torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed. See \
+inner exception for details.
+"""  # torch 2.14 on node 1 when node 0's torchrun ended (its store closed) / never started (abridged)
+
+
+def test_a_node_that_lost_node_0s_rendezvous_says_so_in_one_line(tmp_path):
+    """launch/multinode.sh on node 1: node 0's torchrun ended (its ranks failed), or never started within
+    RDZV_TIMEOUT (node 0's launch refused): one line each, no torch traceback or c10d warning; exit 1 (node 0's own
+    code, under srun the job's, stays the highest), or 2 (where node 1 looked: the user's to fix)."""
+    lost = STORE_WARNING.format(site=SITE) + LOST_STORE.format(
+        site=SITE, line=114, function="_call_store", cause="Failed to recv, got 0 bytes. Connection was likely closed.")
+    env = dict(NODE_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500", RDZV_TIMEOUT="900")
+    done = fake_torchrun(tmp_path, "", lost, 1, **env)
+    assert (done.returncode, done.stderr.splitlines()) == (1, [
+        f"error: training failed: node 0's torchrun ended (the job failed on a node: see {tmp_path}/default/logs/"
+        f"node*.log), after 0 of MAX_RESTARTS=0 restart(s); run dir {tmp_path}/default; the newest checkpoint: none "
+        f"in {tmp_path}/default/checkpoints"]), done.stderr
+    never = LOST_STORE.format(site=SITE, line=156, function="_create_tcp_store", cause="The client socket has timed "
+                              "out after 900000ms while trying to connect to (10.0.0.1, 29500).")
+    done = fake_torchrun(tmp_path, "", never, 1, **env)
+    assert (done.returncode, done.stderr.splitlines()) == (2, [
+        "error: node 1 found no rendezvous at 10.0.0.1:29500 within RDZV_TIMEOUT=900 s (torch tries twice): node 0 "
+        f"did not start (its output, {tmp_path}/default/logs/node0.log, says why) or MASTER_ADDR:MASTER_PORT is not "
+        "node 0's"]), done.stderr
+    other = LOST_STORE.format(site=SITE, line=114, function="_call_store", cause="x").replace(
+        "RendezvousConnectionError", "RendezvousTimeoutError")  # any other failure of torchrun's: shown whole
+    done = fake_torchrun(tmp_path, "", STORE_WARNING.format(site=SITE) + other, 1, **env)
+    assert done.returncode == 1 and other in done.stderr and "Connection was likely" in done.stderr, done.stderr
 
 
 def report(root: int, root_code: int, other: int) -> str:

@@ -7,10 +7,13 @@ by hand, which relays it to its ranks); at the next step boundary every rank agr
 flag), the loop saves a checkpoint and exits 0. A second signal, also one arriving during that save, only
 sets the flag again: the save finishes and `latest` names it (SIGKILL stops at once; `latest` then still
 names the previous complete checkpoint). Clocks differ across ranks, so a timed save is decided the same way.
+A launcher that knows when the job will be killed (launch/slurm.sbatch: the job's end time less EXIT_MARGIN)
+exports that moment as LAUNCH_DEADLINE (seconds since the epoch): the run stops and saves once it passed.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -18,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from training.config.schema import Config
+from training.errors import LaunchError
 
+DEADLINE = "LAUNCH_DEADLINE"  # the job's end less a margin, as time.time() (launch/slurm.sbatch)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
@@ -50,11 +55,21 @@ class SaveClock:
         self.last = time.monotonic()
 
 
+def _launch_deadline() -> float | None:
+    value = os.environ.get(DEADLINE, "")
+    try:
+        return float(value) if value else None
+    except ValueError:
+        raise LaunchError(f"{DEADLINE}={value} must be a time in seconds since the epoch (launch/slurm.sbatch sets "
+                          f"it; unset it otherwise)") from None
+
+
 class Stopper:
     def __init__(self, cfg: Config):
         self.exit_interval = cfg.train.exit_interval
         self.deadline = time.monotonic() + 60 * cfg.train.exit_duration_minutes \
             if cfg.train.exit_duration_minutes > 0 else None
+        self.job_deadline = _launch_deadline()
         self.received: int | None = None
         self.reason = ""
         for sig in HANDLED_SIGNALS:
@@ -69,6 +84,8 @@ class Stopper:
             local, self.reason = 3, f"received {signal.Signals(self.received).name}"
         elif self.deadline is not None and time.monotonic() > self.deadline:
             local, self.reason = 2, "train.exit_duration_minutes reached"
+        elif self.job_deadline is not None and time.time() > self.job_deadline:
+            local, self.reason = 2, f"the job's time limit is near ({DEADLINE}, the launcher's EXIT_MARGIN)"
         elif self.exit_interval and iteration % self.exit_interval == 0:
             local, self.reason = 1, f"train.exit_interval={self.exit_interval}"
         flag = _any_rank(local)
