@@ -25,12 +25,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from models.shape import WEIGHTS, ModelShape
 from training.checkpoint.safe_load import UnsafeCheckpoint, safe_unpickling
+from training.config.paths import LATEST, METADATA, RUN_FILE, is_complete
 from training.config.schema import Config, ModelConfig, to_config
 from training.errors import TemplateError
 from training.parallel.dist import print0
-
-LATEST = "latest"
-RUN_FILE = "run.json"
 
 
 class CheckpointError(TemplateError):
@@ -51,10 +49,6 @@ class Start:
 
 def iter_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / RUN_FILE).is_file() and (path / "metadata.json").is_file()
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -127,7 +121,7 @@ def resolve_path(spec: str | Path) -> Path:
         path = path / (path / LATEST).read_text().strip()
     if not is_complete(path):
         raise CheckpointError(f"checkpoint {path} is incomplete or not a checkpoint (no {RUN_FILE} / "
-                              f"metadata.json: an interrupted save?); point checkpoint.load at a complete one")
+                              f"{METADATA}: an interrupted save?); point checkpoint.load at a complete one")
     return path
 
 

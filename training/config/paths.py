@@ -15,8 +15,14 @@ from pathlib import Path
 from training.config.schema import Config
 from training.errors import ConfigError
 
-# what training/checkpoint/common.py writes: <dir>/latest names <dir>/iter_*, complete with run.json + metadata.json
+# A checkpoint directory (written by training/checkpoint/, which takes these from here): <dir>/latest names
+# <dir>/iter_*, complete once it holds run.json (ours, written last) and metadata.json (the format's)
 LATEST, RUN_FILE, METADATA = "latest", "run.json", "metadata.json"
+
+
+def is_complete(path: Path) -> bool:
+    """A complete checkpoint: run.json and the format's metadata.json (a save interrupted before them is not)."""
+    return (path / RUN_FILE).is_file() and (path / METADATA).is_file()
 
 
 def prefix_problem(prefix: str) -> str | None:
@@ -62,13 +68,13 @@ def load_problem(spec: str | None) -> str | None:
         return f"checkpoint.load={spec} is a file, not a checkpoint directory (an iter_* directory or a checkpoint.dir)"
     if (path / LATEST).is_file():
         named = path / (path / LATEST).read_text().strip()
-        if not _complete(named):
+        if not is_complete(named):
             return (f"checkpoint.load={spec}: {path / LATEST} names {named}, which is missing or incomplete (no "
                     f"{RUN_FILE} / {METADATA}: an interrupted save?); point checkpoint.load at a complete iter_*")
         return None
-    if _complete(path):
+    if is_complete(path):
         return None
-    found = sorted(p.name for p in path.glob("iter_*") if _complete(p))
+    found = sorted(p.name for p in path.glob("iter_*") if is_complete(p))
     hint = (f"it holds {', '.join(found[-3:])} but no `{LATEST}` file: point checkpoint.load at one of them" if found
             else f"no `{LATEST}` file, no complete iter_* directory")
     return f"checkpoint.load={spec} is not a checkpoint (no {RUN_FILE} / {METADATA}; {hint})"
@@ -85,10 +91,6 @@ def path_problems(cfg: Config) -> list[str]:
 def check_paths(cfg: Config) -> None:
     if found := path_problems(cfg):
         raise ConfigError("\n".join(found))
-
-
-def _complete(path: Path) -> bool:
-    return (path / RUN_FILE).is_file() and (path / METADATA).is_file()
 
 
 def _is_number(text: str) -> bool:
