@@ -8,23 +8,29 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.tp_blocks import replicated
+
 
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(hn)) v with a causal mask, via torch's scaled_dot_product_attention.
 
-    Attention dropout acts on sharded heads, so it is drawn from the TP-distinct RNG stream.
+    Attention dropout acts on sharded heads, so it is drawn from the TP-distinct RNG stream; in a replicated
+    attention (left out of parallel.tp_blocks: every TP rank holds every head) from the default stream, the same
+    on every TP rank, so the replicas stay identical.
     """
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.dropout_p = config.attention_dropout
+        self.tp_stream = not replicated(config)
 
     def forward(self, q, k, v, mask=None):  # q [s, b, np/tp, hn]; k, v [s_k, b, ng/tp, hn]; mask [b, 1, s, s_k]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/tp, s(_k), hn]
         dropout_p = self.dropout_p if self.training else 0.0
         # without dropout no random numbers are drawn: the fork (~40 us of RNG state copies) would cost ~15% of
         # a small attention call on CPU for nothing
-        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+        fork = dropout_p > 0 and self.tp_stream
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
                                                  enable_gqa=k.shape[1] != q.shape[1])  # mask: generation's cache
         b, n, s, hn = out.shape

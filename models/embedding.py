@@ -3,24 +3,47 @@
 Under sequence parallelism the output is scattered along the sequence ([s/tp, b, h]) and dropout
 is drawn from the TP-distinct RNG stream (each rank holds different tokens). Without SP the
 activations are replicated across TP ranks and dropout uses the default stream, identical on all
-of them, as in Megatron-Core's LanguageModelEmbedding.
+of them, as in Megatron-Core's LanguageModelEmbedding. With the vocabulary left out of parallel.tp_blocks
+(models/tp_blocks.py: the config is marked `tp_replicated`) the table is whole on every TP rank (a TP duplicate,
+no all-reduce); its rows are padded as at the layout's tp either way, so checkpoints keep one shape.
 """
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import make_sharded_tensor_for_checkpoint
 
 from models.shape import ModelShape, Split
+from models.tp_blocks import replicated
+
+
+class ReplicatedEmbedding(MegatronModule):
+    """The whole [V_padded, h] table on every TP rank: Megatron-Core's VocabParallelEmbedding at one TP rank."""
+
+    def __init__(self, num_embeddings: int, config: TransformerConfig):
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(torch.empty(num_embeddings, config.hidden_size, dtype=config.params_dtype))
+        if config.perform_initialization:  # recorded by training/engine/init.py, drawn by name
+            config.embedding_init_method(self.weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
+        return torch.nn.functional.embedding(input_ids, self.weight)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """One global tensor replicated over TP; the padded row count may differ from the checkpoint's (as
+        VocabParallelEmbedding's: `allow_shape_mismatch`)."""
+        return {f"{prefix}weight": make_sharded_tensor_for_checkpoint(self.weight, f"{prefix}weight", sharded_offsets,
+                                                                      allow_shape_mismatch=True)}
 
 
 class Embedding(MegatronModule):
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  learned_positions: bool):
         super().__init__(config=config)
-        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
-        )
+        self.word_embeddings = ReplicatedEmbedding(vocab_size, config) if replicated(config) else \
+            tensor_parallel.VocabParallelEmbedding(vocab_size, config.hidden_size,
+                                                   init_method=config.embedding_init_method, config=config)
         self.position_embeddings = None
         if learned_positions:
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,
@@ -47,7 +70,8 @@ class Embedding(MegatronModule):
     def num_params(shape: ModelShape, split: Split) -> int:
         """The vocab-parallel table (padded rows split over TP) + learned positions (replicated)."""
         positions = shape.seq_length * shape.hidden_size if shape.position_embedding == "learned" else 0
-        return shape.padded_vocab(split.tp) * shape.hidden_size // split.tp + positions
+        rows = shape.padded_vocab(split.tp)  # padded as at the layout's tp, also when replicated
+        return rows * shape.hidden_size // split.of("vocab").tp + positions
 
     # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `model.embed_tokens` --------------
     # `get` reads a tensor by name relative to the block, each side's names. Full (unsharded) tensors, vocab rows

@@ -3,7 +3,8 @@
 
     out = down(act(gate(x)) * up(x))      act = the config's activation: GELU (GeGLU) or SiLU (SwiGLU)
 
-Three plain Megatron-Core layers: gate and up are ColumnParallelLinear (each TP rank computes its ffn/tp
+Three plain Megatron-Core layers (models/linear.py's: whole on every TP rank when parallel.tp_blocks leaves
+the MLP out): gate and up are ColumnParallelLinear (each TP rank computes its ffn/tp
 slice of both, so the product needs no communication), down is RowParallelLinear (it all-reduces, or
 reduce-scatters under sequence parallelism, back to the full hidden size). Each weight is split along
 one dimension in one piece, so checkpoints reshard across TP with Megatron-Core's default sharded state
@@ -12,11 +13,11 @@ model.activation=swiglu it computes exactly models/mlp.py's SwiGLU (and maps to 
 """
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.activations import ActivationContext
+from models.linear import ColumnParallelLinear, RowParallelLinear
 from models.shape import ModelShape, Split
 
 
@@ -27,11 +28,11 @@ class GatedMLP(MegatronModule):
         self.activation = config.activation_func  # F.gelu or F.silu (training/engine/bridge.py)
 
         def column():  # h -> ffn/tp on each TP rank
-            return tensor_parallel.ColumnParallelLinear(h, ffn, config=config, init_method=config.init_method,
+            return ColumnParallelLinear(h, ffn, config=config, init_method=config.init_method,
                                                         bias=config.add_bias_linear, gather_output=False)
 
         self.gate, self.up = column(), column()
-        self.down = tensor_parallel.RowParallelLinear(
+        self.down = RowParallelLinear(
             ffn, h, config=config, init_method=config.output_layer_init_method, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True)
 

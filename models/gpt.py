@@ -10,6 +10,8 @@ is initialised from the first stage and whose gradient is summed with it over th
 The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp` (Megatron's rule, in
 models/shape.py) so it splits evenly; padded logits are masked to -inf, so padding never changes the loss
 or the gradients. `num_params` and `flops_per_token` below sum what each block declares (models/spec.py).
+With the vocabulary left out of parallel.tp_blocks (models/tp_blocks.py) the embedding and the output layer
+are whole on every TP rank and the loss is torch's cross entropy over the full logits.
 """
 
 import torch
@@ -19,6 +21,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import make_sharded_tensor_for_checkpoint
 
 from models.embedding import Embedding
 from models.kv_cache import KVCache
@@ -28,6 +31,7 @@ from models.norm import Norm
 from models.shape import ModelShape, Split
 from models.spec import layer_spec
 from models.stack import TransformerStack, stage_layer_numbers
+from models.tp_blocks import KIND, TP_BLOCKS, block_config, replicated
 
 
 class GPT(LanguageModule):
@@ -41,9 +45,11 @@ class GPT(LanguageModule):
         self.padded_vocab_size = shape.padded_vocab(config.tensor_model_parallel_size)
         self.model_type = ModelType.encoder_or_decoder  # what Megatron-Core's schedules look for
         self.input_tensor = None
+        vocab_config = block_config(config, "vocab")  # the model's, or one TP rank's (replicated vocabulary)
+        self.vocab_replicated = replicated(vocab_config)
 
         if pre_process:
-            self.embedding = Embedding(config, self.padded_vocab_size, shape.seq_length,
+            self.embedding = Embedding(vocab_config, self.padded_vocab_size, shape.seq_length,
                                        learned_positions=shape.position_embedding == "learned")
         self.rotary_pos_emb = None
         if shape.position_embedding == "rope":
@@ -59,7 +65,7 @@ class GPT(LanguageModule):
         self.decoder = TransformerStack(config, shape, post_process=post_process, vp_stage=vp_stage)
         if post_process:
             self.output_layer = ColumnParallelLinear(
-                config.hidden_size, self.padded_vocab_size, config=config, init_method=config.init_method,
+                config.hidden_size, self.padded_vocab_size, config=vocab_config, init_method=config.init_method,
                 bias=False, gather_output=False,
                 skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights,
             )
@@ -69,6 +75,8 @@ class GPT(LanguageModule):
 
     def _valid_vocab_on_this_rank(self) -> int:
         """How many of this TP rank's vocab rows are real tokens (the rest is padding)."""
+        if self.vocab_replicated:
+            return self.vocab_size
         per_rank = self.padded_vocab_size // self.config.tensor_model_parallel_size
         start = parallel_state.get_tensor_model_parallel_rank() * per_rank
         return max(0, min(per_rank, self.vocab_size - start))
@@ -117,44 +125,61 @@ class GPT(LanguageModule):
         vocabulary on this rank (tp = 1) torch's fused cross entropy computes what the vocab-parallel one
         does (in fp32, as it does) with one kernel instead of ~15 ops and 3 size-1 all-reduces; with TP,
         or with the bf16 fused kernel (model.fused_kernels), Megatron-Core's."""
-        if self.config.tensor_model_parallel_size > 1 or self.config.cross_entropy_loss_fusion:
+        split = self.config.tensor_model_parallel_size > 1 and not self.vocab_replicated
+        if split or (self.config.cross_entropy_loss_fusion and not self.vocab_replicated):
             return super().compute_language_model_loss(labels, logits)
         s, b, v = logits.shape
         loss = F.cross_entropy(logits.float().view(s * b, v), labels.t().reshape(s * b), reduction="none")
         return loss.view(s, b).t().contiguous()  # [s*b] -> [b, s]
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """LanguageModule's, except the last stage's copy of a tied, replicated vocabulary (PP > 1): Megatron-Core
+        declares it a TP shard of the embedding; here it is the whole table, replicated over TP."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}output_layer.weight"
+        if self.vocab_replicated and self.share_embeddings_and_output_weights and key in state and \
+                not self.pre_process:
+            replica = (1, parallel_state.get_tensor_model_parallel_rank(),
+                       parallel_state.get_data_parallel_rank(with_context_parallel=True))
+            state[key] = make_sharded_tensor_for_checkpoint(self.output_layer.weight, state[key].key,
+                                                            replica_id=replica, allow_shape_mismatch=True)
+        return state
+
 
 # ---- sizes: the whole model's parameter count and FLOPs, summed from each block's own declaration ----------
 
 def num_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0, vpp: int | None = None, ep: int = 1,
-               etp: int = 1, experts_only: bool = False) -> int:
+               etp: int = 1, experts_only: bool = False, tp_blocks: tuple[str, ...] = TP_BLOCKS) -> int:
     """Parameters on one GPU of pipeline rank `stage` (all its virtual chunks): its layers' blocks; the first
     stage adds the embedding, the last the final norm and the output layer, which is its own weight unless
     tied within one stage (tied across stages, the last stage holds a copy with its own gradient and optimizer
     state). num_params(shape) is the whole model, every weight once. A test compares with the built model.
-    experts_only: the MoE experts' share (their gradients and optimizer state live in other DP groups)."""
-    split = Split(tp, ep, etp)
-    layers = [block for n in stage_layer_numbers(shape.num_layers, pp, vpp, stage)
-              for _, block in layer_spec(shape, n).items()]
+    experts_only: the MoE experts' share (their gradients and optimizer state live in other DP groups).
+    tp_blocks: the sub-blocks tp splits (parallel.tp_blocks); the others count whole."""
+    split = Split(tp, ep, etp, tuple(tp_blocks))
+    layers = [(split.of(KIND.get(name)), block) for n in stage_layer_numbers(shape.num_layers, pp, vpp, stage)
+              for name, block in layer_spec(shape, n).items()]
     if experts_only:
-        return sum(block.num_expert_params(shape, split) for block in layers if hasattr(block, "num_expert_params"))
-    count = sum(block.num_params(shape, split) for block in layers)
+        return sum(block.num_expert_params(shape, cut) for cut, block in layers if hasattr(block, "num_expert_params"))
+    count = sum(block.num_params(shape, cut) for cut, block in layers)
     if stage == 0:
         count += Embedding.num_params(shape, split)
     if stage == pp - 1:
         count += Norm.num_params(shape, split)
         if not shape.tie_embeddings or pp > 1:
-            count += shape.padded_vocab(tp) * shape.hidden_size // tp  # output_layer [V_padded/tp, h]
+            count += shape.padded_vocab(tp) * shape.hidden_size // split.of("vocab").tp  # output_layer [V_padded/tp, h]
     return count
 
 
-def flops_per_token(shape: ModelShape, tp: int = 1) -> float:
+def flops_per_token(shape: ModelShape, tp: int = 1, kinds: tuple[str, ...] | None = None) -> float:
     """Training FLOPs per token: 3 x forward (backward = 2 x forward; recomputation not counted), as in
     Megatron-LM's `num_floating_point_operations`: each block's GEMMs + the output layer over the padded
-    vocabulary (what the GPUs compute at this TP size)."""
+    vocabulary (what the GPUs compute at this TP size). kinds: only the sub-blocks of these kinds
+    (models/tp_blocks.py), e.g. those a layout replicates (every TP rank computes them whole)."""
     forward = sum(block.flops_per_token(shape) for n in range(1, shape.num_layers + 1)
-                  for _, block in layer_spec(shape, n).items())
-    return 3.0 * (forward + 2 * shape.hidden_size * shape.padded_vocab(tp))
+                  for name, block in layer_spec(shape, n).items() if kinds is None or KIND.get(name) in kinds)
+    vocab = 2 * shape.hidden_size * shape.padded_vocab(tp) if kinds is None or "vocab" in kinds else 0
+    return 3.0 * (forward + vocab)
 
 
 # ---- Hugging Face interop (Llama family): the whole GPT's weights <-> HF's LlamaForCausalLM names -------------

@@ -3,7 +3,8 @@
 Its four sub-blocks come from the layer spec (models/spec.py): the config picks the attention and MLP
 blocks by name, so a new block needs no edit here. Under sequence parallelism x is [s/tp, b, h]: norms
 and residuals act on the local sequence slice, the linear layers gather / reduce-scatter along the
-sequence inside Megatron-Core.
+sequence inside Megatron-Core. A sub-block left out of parallel.tp_blocks gets its replicated config
+(models/tp_blocks.py) and its activation and parameter declarations see tp 1.
 """
 
 import torch
@@ -13,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.activations import ActivationContext
 from models.shape import ModelShape, Split
 from models.spec import layer_spec
+from models.tp_blocks import KIND, block_config
 
 # Hugging Face (Llama) names of the sub-blocks, for training/interop/hf.py: ours -> theirs (model.layers.<i>.*)
 HF_NAMES = {"input_layernorm": "input_layernorm", "self_attention": "self_attn",
@@ -24,7 +26,7 @@ class TransformerLayer(MegatronModule):
         super().__init__(config=config)
         self.layer_number = layer_number  # 1-based, global across pipeline stages (as in Megatron)
         for name, block in layer_spec(shape, layer_number).items():  # input_layernorm, self_attention, ...
-            self.add_module(name, block(config, layer_number))
+            self.add_module(name, block(block_config(config, KIND.get(name)), layer_number))
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def _residual(self, x, out_and_bias):
@@ -46,5 +48,5 @@ class TransformerLayer(MegatronModule):
         """What layer `layer_number` keeps for backward, one micro-batch on one GPU: what its blocks declare
         (models/spec.py) + the two hidden-dropout masks (1 byte an element of [s(/tp), b, h], when p > 0)."""
         masks = 2 * act.tokens * shape.hidden_size / act.seq_split(split) if act.hidden_dropout else 0
-        return masks + sum(block.activation_bytes(shape, split, act) for _, block in
+        return masks + sum(block.activation_bytes(shape, split.of(KIND.get(name)), act) for name, block in
                            layer_spec(shape, layer_number).items())

@@ -8,11 +8,19 @@ without apex: training/engine/bridge.py). Measured on CPU, tiny preset: ~7% of a
 the same (matmul, then + bias, as Megatron-Core's forward), so the gradients are too; everything else
 (parameters, their TP attributes, init, checkpoints, the tied output weight) is Megatron-Core's class. With
 tp > 1 the classes are exactly Megatron-Core's.
+
+A sub-block left out of parallel.tp_blocks (models/tp_blocks.py) is built with a config marked `tp_replicated`:
+then both classes give a `ReplicatedLinear` instead, the full weight on every TP rank with no TP attributes and
+no communication (the same names, forward and checkpoint keys), so a block written with these two classes can
+be split or replicated by the config alone.
 """
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+
+from models.tp_blocks import replicated
 
 
 def _plain(layer) -> bool:
@@ -31,7 +39,38 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sk
     return out, bias if skip_bias_add else None
 
 
+class ReplicatedLinear(MegatronModule):
+    """y = x W^T (+ b) with the full W [output_size, input_size] on every TP rank (a replicated sub-block).
+
+    Its parameters have no `tensor_model_parallel` attribute (training/engine/build.py sets Megatron-Core's
+    defaults: a TP duplicate) and MegatronModule's default sharded state dict (one global tensor, replicated
+    over TP), the key a TP-split layer's shards add up to. Takes the Column/RowParallelLinear arguments."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = True,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False, **_tp_only):
+        super().__init__(config=config)
+        self.skip_bias_add = skip_bias_add
+        self.weight = None
+        if not skip_weight_param_allocation:  # a tied output layer reads the embedding's weight in forward
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            if config.perform_initialization:  # training/engine/init.py records this call and draws by name
+                init_method(self.weight)
+        self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+
+    def get_extra_state(self) -> None:  # as Megatron-Core's TP layers: an (empty) `_extra_state` checkpoint key
+        return None
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):  # [s, b, in] -> [s, b, out]
+        return _linear(input_, self.weight if weight is None else weight, self.bias, self.skip_bias_add)
+
+
 class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
+    def __new__(cls, *args, config, **kwargs):  # a replicated sub-block's: the full layer (no __init__ after)
+        return ReplicatedLinear(*args, config=config, **kwargs) if replicated(config) else super().__new__(cls)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._tp1 = _plain(self)
@@ -43,6 +82,9 @@ class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
 
 
 class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    def __new__(cls, *args, config, **kwargs):
+        return ReplicatedLinear(*args, config=config, **kwargs) if replicated(config) else super().__new__(cls)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._tp1 = _plain(self)

@@ -78,7 +78,7 @@ class MLP(MegatronModule):
             for key in (f"{prefix}linear_fc1.weight", f"{prefix}linear_fc1.bias"):
                 if key in state:
                     state[key] = apply_swiglu_sharded_factory(
-                        state[key], sharded_offsets, tp_group=self.linear_fc1.tp_group,
+                        state[key], sharded_offsets, tp_group=getattr(self.linear_fc1, "tp_group", None),
                         dp_group=metadata["dp_cp_group"])
         return state
 
@@ -88,6 +88,7 @@ class MLP(MegatronModule):
         fc1 = 2 * ffn if shape.gated else ffn
         sharded = h * fc1 + ffn * h + (fc1 if shape.add_bias_linear else 0)
         return sharded // split.tp + (h if shape.add_bias_linear else 0)  # fc2's bias is replicated
+        # (a replicated MLP, parallel.tp_blocks: split.tp is 1, models/tp_blocks.py)
 
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:  # SwiGLU: three h x ffn GEMMs (gate, up, down)

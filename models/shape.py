@@ -14,7 +14,9 @@ the HF converter. models/ does not import training/: `of` reads the config by at
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from models.tp_blocks import TP_BLOCKS
 
 WEIGHTS, NUMERICS, RUN = "weights", "numerics", "run"
 
@@ -31,6 +33,11 @@ class Split:
     tp: int = 1  # tensor parallel: attention heads, FFN width, vocabulary
     ep: int = 1  # expert parallel: a MoE layer's experts
     etp: int = 1  # expert tensor parallel: one expert's FFN width
+    tp_blocks: tuple[str, ...] = TP_BLOCKS  # the sub-blocks tp splits; the others are whole on every rank
+
+    def of(self, kind: str | None) -> Split:
+        """The cut a sub-block of this kind (models/tp_blocks.py) sees: tp 1 when it is replicated."""
+        return self if kind is None or kind in self.tp_blocks or self.tp == 1 else replace(self, tp=1)
 
 
 @dataclass(frozen=True)

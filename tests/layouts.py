@@ -59,8 +59,10 @@ def global_name(gpt, local_name: str, expert_offset: int = 0) -> str:
 
 def shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's slice of a full tensor, cut as Megatron-Core's CPU init cuts it (dim, stride)."""
-    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
-        return full
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:  # whole (a replicated vocabulary:
+        rows = param.shape[0]  # its rows padded as at the layout's tp)
+        return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])]) if full.dim() and \
+            full.shape[0] < rows else full
     dim, stride = param.partition_dim, param.partition_stride
     rows = param.shape[dim] * tp_size  # padded size (vocab) may exceed the full tensor's
     if full.shape[dim] < rows:
@@ -180,7 +182,8 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
                 params.setdefault(name_of(gpt, name), []).append(tagged(param, param))
         # this rank's parameters, built vs the memory estimate's count (models/gpt.py num_params)
         built = sum(param.numel() for chunk in state.model for param in unwrap(chunk).parameters())
-        estimated = num_params(state.shape, p.tp, p.pp, ps.get_pipeline_model_parallel_rank(), p.vpp, p.ep, p.etp)
+        estimated = num_params(state.shape, p.tp, p.pp, ps.get_pipeline_model_parallel_rank(), p.vpp, p.ep, p.etp,
+                               tp_blocks=layout.tp_blocks)
         out = {"losses": losses, "extra": extras, "grad_norms": norms, "grads": grads, "params": params,
                "before": before,
                "counts": (built, estimated),

@@ -57,8 +57,9 @@ def test_launch_train_sh_tp2_loss_falls_and_metrics_are_written(tmp_path):
 
 
 def test_preprocess_then_train_on_your_own_text(tmp_path):
-    """tools/preprocess_data.py -> data.paths=[P] -> launch/train.sh trains with a falling loss. The text (real
-    prose) comes as users' corpora do: Parquet shards (a glob), a `datasets` save_to_disk folder, a .jsonl.zst."""
+    """tools/preprocess_data.py -> data.paths=[P] -> launch/train.sh trains with a falling loss, at minimal TP
+    (parallel=tp2_mlp: only the MLP split over 2 ranks). The text (real prose) comes as users' corpora do: Parquet
+    shards (a glob), a `datasets` save_to_disk folder, a .jsonl.zst."""
     import sys
 
     import zstandard
@@ -81,10 +82,12 @@ def test_preprocess_then_train_on_your_own_text(tmp_path):
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, NPROC="2", RUN_DIR=str(run_dir))
-    proc = subprocess.run(["launch/train.sh", f"data.paths=[{prefix}]", "data.tokenizer=byte", "train.iters=40",
+    proc = subprocess.run(["launch/train.sh", "parallel=tp2_mlp", f"data.paths=[{prefix}]", "data.tokenizer=byte",
+                           "train.iters=40",
                            f"data.cache_dir={tmp_path / 'cache'}", "train.eval_interval=0", "checkpoint=none"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tp splits mlp only" in proc.stdout, proc.stdout[-3000:]
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in train] == [10, 20, 30, 40]
     assert train[-1]["loss"] < 0.9 * train[0]["loss"], [r["loss"] for r in train]

@@ -65,6 +65,12 @@ CASES = {
     "families-tp2": ("families", ["parallel.tp=2"], 2),
     "families-tp2-sp": ("families", ["parallel.tp=2", "parallel.sp=true"], 2),
     "families-pp2": ("families", ["parallel.pp=2"], 2),
+    # minimal TP (parallel.tp_blocks): only the MLP split, attention and the (tied / untied) vocabulary whole on
+    # both ranks; only the attention split, the MLP whole (SwiGLU's gate|up weight, the gated MLP's three)
+    "tp2-mlp": ("llama", ["parallel.tp=2", "parallel.tp_blocks=[mlp]"], 2),
+    "gpt2-tp2-mlp": ("gpt2", ["parallel.tp=2", "parallel.tp_blocks=[mlp]"], 2),
+    "tp2-attention-vocab": ("llama", ["parallel.tp=2", "parallel.tp_blocks=[attention,vocab]"], 2),
+    "gated-tp2-attention": ("gated", ["parallel.tp=2", "parallel.tp_blocks=[attention]"], 2),
 }
 FAST = {"tp2", "pp2-tied", "gated-tp2", "gated-pp2"}  # the default model and the example block at tp2 and pp2
 EXTRAS = ("attn-dropout", "attn-dropout-recompute-full", *BF16)  # cases of the tests below the first

@@ -31,6 +31,10 @@ CASES = {
     "dp2-zero3": ("dense", ["parallel.fsdp=optim_grads_params"], 2),
     "ep2": ("moe", ["parallel.ep=2"], 2),
     "tp2-pp2-vpp2": ("dense", ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1"], 4),
+    # minimal TP: only the MLP split (attention and the tied vocabulary whole on both TP ranks: grad norm, clipping)
+    "tp2-mlp": ("dense", ["parallel.tp=2", "parallel.tp_blocks=[mlp]"], 2),
+    "tp2-mlp-pp2": ("dense", ["parallel.tp=2", "parallel.tp_blocks=[mlp]", "parallel.pp=2",
+                              "train.micro_batch_size=1"], 4),
 }
 BATCH = make_batch(global_batch=4, seq=16)
 

@@ -1,4 +1,4 @@
-"""Layout planner: every valid (tp, pp, vpp, cp, sp, dist_opt, recompute, ep) for a model on nodes x GPUs, with
+"""Layout planner: every valid (tp, tp_blocks, pp, vpp, cp, sp, dist_opt, recompute, ep) for a model on nodes x GPUs,
 the per-GPU memory estimate of training/estimate/memory.py, the pipeline bubble and the communication volume per
 step; ranked, and the best layout that fits is recommended with the overrides that select it.
 
@@ -18,10 +18,12 @@ train.global_batch_size, train.precision, ...): the planner composes what train.
     plan.top             15     rows in the table (--json prints every layout)
 
 Ranking: layouts that fit first, then by score, the step time relative to an ideal step (lower is better):
-    score     = (1 + bubble) * (1 + recompute + tp_comm) + pp_comm + dp_comm
+    score     = (1 + bubble) * (1 + recompute + redundant + tp_comm) + pp_comm + dp_comm
     bubble    = (pp - 1) / (vpp * m): idle share of (interleaved) 1F1B, m = micro-batches per step
     recompute = extra forward FLOPs / training FLOPs (full: the layers' forward; selective: core attention)
-    tp_comm   = TP traffic time / compute time per GPU (TP collectives sit on the critical path)
+    redundant = (tp - 1) x the FLOPs of the sub-blocks tp leaves whole (parallel.tp_blocks) / training FLOPs
+    tp_comm   = TP traffic time / compute time per GPU (TP collectives sit on the critical path; only the
+                split attention / MLP blocks' collectives: [mlp] alone halves them)
     cp_comm   = CP traffic time / compute: each layer all-gathers K and V forward and reduce-scatters their
                 gradients backward (on the critical path; inside a node when tp x cp GPUs fit one)
     pp_comm   = (PP bytes / link + 4 m vpp messages x 100 us) / compute: every virtual stage boundary costs
@@ -40,6 +42,7 @@ import json
 import shlex
 import sys
 
+from training.estimate.compare import minimal_tp_note, splits
 from training.shims.noise import quiet_known_noise
 
 PLAN_DEFAULTS = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_gb": 80.0, "flash_attention": True,
@@ -102,6 +105,7 @@ def divisors(n: int) -> list[int]:
 def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
     """[(Layout, config with that layout)] for every layout training/config/validate.py accepts at this world,
     and the problems of the first rejected one (all of them rejected = a problem no layout can fix)."""
+    from models.tp_blocks import TP_BLOCKS
     from training.config.schema import Recompute
     from training.config.validate import problems
     from training.parallel.layout import Layout
@@ -120,11 +124,14 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
             # the optimizer shards over DP x CP (none when that is 1); Megatron-FSDP where validation allows it
             sharding = [(False, "none")] + [(True, "none")] * (base.grad_group > 1) + \
                 [(True, "optim_grads"), (True, "optim_grads_params")] * base.dp_enabled
-            for vpp, sp, (dist_opt, fsdp), recompute, ep in itertools.product(
-                    [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []),
-                    [False, True] if tp > 1 else [False], sharding, Recompute, eps):
+            # minimal TP (parallel.tp_blocks): only the MLP, or the MLP and the vocabulary split (without SP)
+            splits = [(False, TP_BLOCKS)] + [(True, TP_BLOCKS)] * (tp > 1) + [(False, ("mlp",)),
+                                                                              (False, ("mlp", "vocab"))] * (tp > 1)
+            for vpp, (sp, blocks), (dist_opt, fsdp), recompute, ep in itertools.product(
+                    [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []), splits, sharding,
+                    Recompute, eps):
                 parallel = dataclasses.replace(p, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp, dist_opt=dist_opt, ep=ep,
-                                               etp=1, fsdp=fsdp,
+                                               etp=1, fsdp=fsdp, tp_blocks=list(blocks),
                                                overlap_param_gather=p.overlap_param_gather and dist_opt)
                 option = dataclasses.replace(cfg, parallel=parallel, model=dataclasses.replace(m, recompute=recompute))
                 found = problems(option, world)
@@ -148,12 +155,15 @@ def assess(option, shape, lay, settings: dict) -> dict:
     sbh = shape.seq_length // lay.cp * t.micro_batch_size * shape.hidden_size  # this rank's tokens
     flops_per_token = training_flops(shape, lay.tp)  # 3 x forward
     flops_per_gpu = flops_per_token * t.global_batch_size * shape.seq_length / world
+    whole = tuple(k for k in ("attention", "mlp", "vocab") if k not in lay.tp_blocks)  # computed on every TP rank
+    redundant = (lay.tp - 1) * training_flops(shape, lay.tp, kinds=whole) / flops_per_token if whole else 0.0
     recompute = {"none": 0.0, "full": (flops_per_token / 3 - 2 * shape.hidden_size * vocab) / flops_per_token,
                  "selective": 2 * shape.num_layers * shape.seq_length * shape.q_width / flops_per_token}[recompute_mode]
     # TP per layer and micro-batch: 2 all-reduces forward + 2 backward (SP: all-gathers + reduce-scatters of
     # the same volume; its backward re-gather overlaps the weight-gradient GEMMs); full recompute redoes forward
     collectives = 4 + (2 if recompute_mode == "full" else 0)
-    tp_bytes = (shape.num_layers // lay.pp) * micro * collectives * 2 * (lay.tp - 1) / lay.tp * e * sbh
+    split = sum(k in lay.tp_blocks for k in ("attention", "mlp")) / 2  # each split block: half the collectives
+    tp_bytes = (shape.num_layers // lay.pp) * micro * collectives * split * 2 * (lay.tp - 1) / lay.tp * e * sbh
     shard = (lay.grad_group - 1) / lay.grad_group  # gradients are reduced over DP x CP
     dp_bytes = est.params_per_gpu * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
     if lay.fsdp == "optim_grads_params":  # ZeRO-3: its weights gathered for forward and again for backward
@@ -181,29 +191,30 @@ def assess(option, shape, lay, settings: dict) -> dict:
     cp_comm = cp_bytes / (cp_gbps * GB) / compute_s
     bubble = (lay.pp - 1) / ((lay.vpp or 1) * micro)
     budget = settings["gpu_mem_gb"] * t.max_memory_fraction
-    return dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, dp=lay.dp, ep=lay.ep, etp=lay.etp, sp=lay.sp,
-                fsdp=lay.fsdp,
+    return dict(tp=lay.tp, tp_blocks=list(lay.tp_blocks), pp=lay.pp, vpp=lay.vpp, cp=lay.cp, dp=lay.dp, ep=lay.ep,
+                etp=lay.etp, sp=lay.sp, fsdp=lay.fsdp,
                 dist_opt=lay.dist_opt, recompute=recompute_mode, fits=est.total / GB <= budget, mem_gb=est.mem_gb(),
                 stage=est.stage, params_total=est.params_total, params_per_gpu=est.params_per_gpu, micro_batches=micro,
                 bubble=round(bubble, 4), comm_gb={"tp": round(tp_bytes / GB, 3), "dp": round(dp_bytes / GB, 3),
                                                   "pp": round(pp_bytes / GB, 3), "ep": round(ep_bytes / GB, 3),
                                                   "cp": round(cp_bytes / GB, 3)},
                 name=lay.name, overrides=" ".join(lay.overrides(explicit=True) + [f"model.recompute={recompute_mode}"]),
-                score=round((1 + bubble) * (1 + recompute + tp_comm + ep_comm + cp_comm) + pp_comm + dp_comm, 4))
+                score=round((1 + bubble) * (1 + recompute + redundant + tp_comm + ep_comm + cp_comm) + pp_comm +
+                            dp_comm, 4))
 
 
 def table(rows: list[dict], top: int) -> str:
     moe = any(r["ep"] > 1 for r in rows)  # the EP columns only for a mixture of experts
     cp = any(r["cp"] > 1 for r in rows)  # the CP columns only where a layout splits sequences
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3}{'  cp' if cp else ''} {'dp':>4}{'   ep' if moe else ''} "
-            f"{'sp':>3} {'dopt':>4} "
+    head = (f"{'#':>3} {'tp':>3} {'splits':>9} {'pp':>3} {'vpp':>3}{'  cp' if cp else ''} {'dp':>4}"
+            f"{'   ep' if moe else ''} {'sp':>3} {'dopt':>4} "
             f"{'recomp':>9} | {'w+opt':>7} {'act':>7} {'total':>7} {'fits':>4} | {'bubble':>6} {'TP GB':>7} "
             f"{'  CP GB ' if cp else ''}{'DP GB':>7}{'   EP GB' if moe else ''} | score")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows[:top], 1):
         g = r["mem_gb"]
-        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['vpp'] or '-':>3}{f' {r['cp']:>3}' if cp else ''} "
-                     f"{r['dp']:>4}{f' {r['ep']:>4}' if moe else ''} "
+        lines.append(f"{i:>3} {r['tp']:>3} {splits(r):>9} {r['pp']:>3} {r['vpp'] or '-':>3}"
+                     f"{f' {r['cp']:>3}' if cp else ''} {r['dp']:>4}{f' {r['ep']:>4}' if moe else ''} "
                      f"{'on' if r['sp'] else '-':>3} {SHARDING[r['fsdp']] if r['dist_opt'] else '-':>4} "
                      f"{r['recompute']:>9} | "
                      f"{g['weights_and_optimizer']:>7.1f} {g['activations']:>7.1f} {g['total']:>7.1f} "
@@ -262,6 +273,8 @@ def run(argv: list[str]) -> int:
     fitting = sum(r["fits"] for r in rows)
     print(f"{header}\n{len(rows)} layouts, {fitting} fit; best {min(settings['top'], len(rows))}:\n")
     print(table(rows, settings["top"]))
+    if (note := minimal_tp_note(rows)) is not None:
+        print(f"\n{note}")
     best = rows[0]
     if best["recommended"]:
         print(f"\nrecommended (#1): {command(settings, overrides, best['overrides'])}")

@@ -6,7 +6,9 @@ spawned there), one after the other, so that rows do not compete for the cores.
 
 A layout name (training/parallel/layout.py's scheme, as verify_layouts') is a run of parts: tp<N>, pp<N>, dp<N>,
 cp<N>, ep<N>, etp<N>, vpp<N>, sp, distopt, zero2, zero3
-(parallel.fsdp=optim_grads / optim_grads_params); tp1 (or "single") is one process. Processes = tp x pp x cp x dp.
+(parallel.fsdp=optim_grads / optim_grads_params), and after tp the sub-blocks it splits, mlp, attn, vocab
+(parallel.tp_blocks: tp2mlp splits only the MLP, attention and the vocabulary whole on both ranks; minimal TP,
+docs/parallelism.md); tp1 (or "single") is one process. Processes = tp x pp x cp x dp.
 
     run_layouts(args)    tools/bench.py --layouts: check every name, then one row each (printed as it comes)
 """

@@ -65,6 +65,12 @@ class Fsdp(StrEnum):
     optim_grads_params = "optim_grads_params"  # ZeRO-3: also the parameters, gathered per layer when used
 
 
+class TpBlock(StrEnum):
+    attention = "attention"  # the attention block (its QKV and output projections, heads split)
+    mlp = "mlp"  # the dense MLP (its FFN width split): the largest block of a dense layer
+    vocab = "vocab"  # the embedding table and the output layer (vocabulary rows split)
+
+
 class OnSaveError(StrEnum):
     stop = "stop"  # a failed save ends the run (with an error naming it); the last checkpoint stays latest
     warn = "warn"  # say so and train on; the next save tries again
@@ -149,6 +155,8 @@ class ParallelConfig:
     cp: int = 1  # context parallel size: each rank holds 1/cp of every sequence (long contexts; K/V all-gathered)
     ep: int = 1  # expert parallel size: MoE experts split over ranks of the data-parallel group (all-to-all)
     etp: int = 1  # expert tensor parallel size: each expert's FFN split over this many ranks
+    tp_blocks: list[TpBlock] = field(default_factory=lambda: list(TpBlock))  # what tp splits; the rest is whole
+    # on every TP rank, with no TP communication ([mlp]: only the largest block, docs/parallelism.md); all: Megatron's
     dist_opt: bool = False  # distributed optimizer: shard fp32 main params + Adam state across DP ranks
     fsdp: Fsdp = Fsdp.none  # Megatron-FSDP: optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3); sets dist_opt
     overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward (bucketed)
@@ -224,6 +232,7 @@ class CheckpointConfig:
     keep: int = 3  # newest checkpoints kept; older ones are deleted after a successful save; 0 = all
     finetune: bool = False  # start from checkpoint.load's weights only: fresh optimizer, schedule, data, iteration 0
     on_save_error: OnSaveError = OnSaveError.stop  # stop | warn: a save that fails (disk full) never becomes latest
+    async_save: bool = False  # write checkpoints in a background process while training goes on (not FSDP)
 
 
 @dataclass
@@ -232,7 +241,6 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    async_save: bool = False  # write checkpoints in a background process while training goes on (not FSDP)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -260,5 +268,6 @@ def to_config(cfg: Any) -> Config:
 __all__ = ["Activation", "DecayStyle", "Dispatcher", "Fsdp", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction",
            "RopeScalingConfig", "RopeScalingType",
            "Normalization", "PositionEmbedding", "Precision",
-           "Recompute", "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
+           "Recompute", "TpBlock",
+           "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "WandbConfig", "WandbMode", "register", "to_config"]

@@ -36,7 +36,7 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
     fuse = fused_kernels(cfg)
     dtype = params_dtype(cfg)
     recompute = None if m.recompute == Recompute.none else str(m.recompute)
-    return TransformerConfig(
+    config = TransformerConfig(
         # shape (models/shape.py resolved every default: GQA groups, head dim, FFN width)
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups, ffn_hidden_size=shape.ffn_hidden_size,
@@ -76,6 +76,9 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    # which sub-blocks split over TP (parallel.tp_blocks); the rest are built whole (models/tp_blocks.py)
+    config.tp_blocks = tuple(str(block) for block in p.tp_blocks)
+    return config
 
 
 def moe_settings(cfg: Config, shape: ModelShape) -> dict:

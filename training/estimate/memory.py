@@ -26,7 +26,9 @@ its experts' tensors for each. The first pipeline stage holds pp micro-batches i
 activations while backward recomputes it. Context parallelism (cp) divides every sequence-long tensor by cp;
 the attention keeps the full-length K and V it gathers (models/context_parallel.py), and the stage one [s/cp, s]
 additive causal mask in the activations' dtype, which every layer's attention kernel keeps (the same tensor);
-the distributed optimizer shards over DP x CP.
+the distributed optimizer shards over DP x CP. Minimal TP (parallel.tp_blocks): a sub-block that tp leaves
+whole counts its parameters and activations as at tp 1 on every TP rank (models/shape.py's Split.of), the
+vocabulary's logits too when it is whole.
 
 Not counted (keep headroom with train.max_memory_fraction): the CUDA context and NCCL buffers (~1 GB),
 allocator fragmentation, pipeline send/receive buffers, O(s) statistics (norms', flash attention's softmax).
@@ -96,7 +98,12 @@ def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attenti
                       recompute: str | None = None) -> float:
     """Bytes layer `layer_number` keeps for backward, for one micro-batch, on one GPU: what its blocks declare."""
     act = activation_context(cfg, shape, lay, flash_attention, recompute)
-    return _layer_bytes(shape, Split(lay.tp, lay.ep, lay.etp), act, layer_number)
+    return _layer_bytes(shape, split_of(lay), act, layer_number)
+
+
+def split_of(lay: Layout) -> Split:
+    """How the layout cuts one GPU's share of the weights (the blocks' declarations read it)."""
+    return Split(lay.tp, lay.ep, lay.etp, lay.tp_blocks)
 
 
 def _layer_bytes(shape: ModelShape, split: Split, act: ActivationContext, layer_number: int) -> float:
@@ -125,7 +132,7 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
     from models.stack import stage_layer_numbers
 
     in_flight = layers_in_flight(shape.num_layers, lay, num_microbatches, stage)
-    act, split = activation_context(cfg, shape, lay, flash_attention), Split(lay.tp, lay.ep, lay.etp)
+    act, split = activation_context(cfg, shape, lay, flash_attention), split_of(lay)
     numbers = stage_layer_numbers(shape.num_layers, lay.pp, lay.vpp, stage)
     out = sum(_layer_bytes(shape, split, act, n) for n in numbers) / len(numbers) * in_flight  # its mean layer
     if act.recompute == "full":  # backward recomputes one layer at a time: the largest one's activations live once
@@ -136,7 +143,7 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
         e = 2 if cfg.train.precision == "bf16" else 4
         s, b = shape.seq_length // lay.cp, cfg.train.micro_batch_size
         out += 2 * e * s * b * shape.hidden_size / (lay.tp if lay.sp else 1)
-        out += (e + 4) * s * b * shape.padded_vocab(lay.tp) / lay.tp
+        out += (e + 4) * s * b * shape.padded_vocab(lay.tp) / split.of("vocab").tp
     return out
 
 
@@ -148,14 +155,15 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool 
     precision = str(cfg.train.precision)
     worst = None
     for stage in sorted({0, lay.pp - 1}):
-        params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp)
-        experts = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, experts_only=True)
+        params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, tp_blocks=lay.tp_blocks)
+        experts = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, experts_only=True,
+                             tp_blocks=lay.tp_blocks)
         # the distributed optimizer shards dense state over DP x CP, expert state over the expert-DP group
         weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.grad_group, lay.fsdp) + \
             experts * bytes_per_param(precision, lay.dist_opt, lay.edp)
         activations = stage_activations(cfg, shape, lay, lay.num_microbatches, stage, flash_attention)
         if lay.fsdp_enabled:  # ZeRO-3's unsharded weights: the root unit always, two layers' units in flight
-            layer = sum(block.num_params(shape, Split(lay.tp, lay.ep, lay.etp))
+            layer = sum(block.num_params(shape, split_of(lay))
                         for _, block in layer_spec(shape, 1).items())
             root, in_flight = fsdp_feature.unsharded_bytes(precision, lay.fsdp, params, layer, shape.num_layers)
             weights, activations = weights + root, activations + in_flight

@@ -6,6 +6,7 @@
     lay.problems()                       # the rules of the sizes alone, each one line naming every number
     lay.describe(), lay.name             # "tp 2 x pp 2 x dp 2 ...", "tp2pp2dp2"
     Layout.from_name("tp2pp2dp2sp")      # the same scheme back (tools/bench.py --layouts, verify_layouts)
+    Layout.from_name("tp2mlp")           # tp 2 splitting only the MLP (parallel.tp_blocks=[mlp]; attn, vocab)
 
 Nothing else computes dp or edp: validation (training/config/validate.py), distributed init (dist.py), the
 memory estimate and the planner, checkpoint metadata and the benchmarks all ask a Layout. Its rules need no
@@ -19,8 +20,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-NAME_PART = re.compile(r"(tp|pp|dp|cp|ep|etp|vpp)(\d+)|sp|distopt|zero2|zero3")
+from models.tp_blocks import TP_BLOCKS
+
+NAME_PART = re.compile(r"(tp|pp|dp|cp|ep|etp|vpp)(\d+)|sp|distopt|zero2|zero3|attn|mlp|vocab")
 FSDP_NAMES = {"zero2": "optim_grads", "zero3": "optim_grads_params"}
+BLOCK_NAMES = {"attn": "attention", "mlp": "mlp", "vocab": "vocab"}  # name parts: the sub-blocks tp splits
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,15 @@ class Layout:
     fsdp: str = "none"  # Megatron-FSDP: none | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
     micro_batch_size: int = 1  # sequences per micro-batch per DP rank
     global_batch_size: int = 0  # sequences per optimizer step; 0 = micro_batch_size x dp (no accumulation)
+    tp_blocks: tuple[str, ...] = TP_BLOCKS  # the sub-blocks tp splits (models/tp_blocks.py); the rest replicated
 
     @classmethod
     def of(cls, cfg, world: int) -> Layout:
         """The layout of a config (training/config/schema.py's Config) on `world` processes."""
         p = cfg.parallel
+        blocks = tuple(b for b in TP_BLOCKS if b in {str(x) for x in p.tp_blocks})  # in TP_BLOCKS' order
         return cls(world, p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp, bool(p.sp), bool(p.dist_opt), str(p.fsdp),
-                   cfg.train.micro_batch_size, cfg.train.global_batch_size)
+                   cfg.train.micro_batch_size, cfg.train.global_batch_size, blocks)
 
     # -- derived sizes ------------------------------------------------------------------------------------
     @property
@@ -82,6 +88,7 @@ class Layout:
     ep_enabled = property(lambda self: self.ep * self.etp > 1)
     dp_enabled = property(lambda self: self.dp > 1)
     fsdp_enabled = property(lambda self: self.fsdp != "none")
+    partial_tp = property(lambda self: self.tp > 1 and self.tp_blocks != TP_BLOCKS)  # some sub-blocks replicated
 
     @property
     def num_microbatches(self) -> int:
@@ -173,7 +180,8 @@ class Layout:
         context = f" x cp {self.cp}" if self.cp_enabled else ""
         experts = f" (experts: ep {self.ep} x etp {self.etp} x edp {self.edp} per stage)" if self.ep_enabled else ""
         vpp = f" (vpp {self.vpp})" if self.vpp else ""
-        extras = [x for x, on in (("sp", self.sp), ("dist_opt", self.dist_opt and not self.fsdp_enabled),
+        extras = [x for x, on in ((f"tp splits {'+'.join(self.tp_blocks)} only", self.partial_tp), ("sp", self.sp),
+                                  ("dist_opt", self.dist_opt and not self.fsdp_enabled),
                                   (f"fsdp {self.fsdp}", self.fsdp_enabled)) if on]
         batch = (f"; global batch {self.global_batch_size} = micro {self.micro_batch_size} x dp {self.dp} x "
                  f"accumulation {self.num_microbatches}" if self.global_batch_size else "")
@@ -183,8 +191,10 @@ class Layout:
     @property
     def name(self) -> str:
         """tp2pp2dp2sp: the sizes above 1 (dp always when it is the only one), then the flags; "single" for 1."""
-        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "vpp", "cp", "ep", "etp")
-                 if (getattr(self, k) or 1) > 1]
+        blocks = "".join(short for short, full in BLOCK_NAMES.items() if full in self.tp_blocks) \
+            if self.partial_tp else ""
+        parts = [f"{k}{getattr(self, k)}" + (blocks if k == "tp" else "")
+                 for k in ("tp", "pp", "vpp", "cp", "ep", "etp") if (getattr(self, k) or 1) > 1]
         if self.dp > 1:
             parts.append(f"dp{self.dp}")
         parts += [flag for flag, on in (("sp", self.sp), ("distopt", self.dist_opt and not self.fsdp_enabled))
@@ -199,21 +209,26 @@ class Layout:
 
         sizes = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "etp": 1, "vpp": None}
         flags = {"sp": False, "dist_opt": False, "fsdp": "none"}
+        blocks: list[str] = []
         pos = 0
         while name != "single" and pos < len(name):
             match = NAME_PART.match(name, pos)
             if match is None:
                 raise ConfigError(f"layout {name!r}: cannot read {name[pos:]!r}; a layout is parts like tp2, pp2, "
-                                  f"dp2, cp2, ep2, etp2, vpp2, sp, distopt, zero2, zero3 (e.g. tp2dp2distopt)")
+                                  f"dp2, cp2, ep2, etp2, vpp2, sp, distopt, zero2, zero3, and mlp, attn, vocab "
+                                  f"after tp (the sub-blocks it splits; e.g. tp2dp2distopt, tp2mlp)")
             if match.group(1):
                 sizes[match.group(1)] = int(match.group(2))
+            elif match.group(0) in BLOCK_NAMES:
+                blocks.append(BLOCK_NAMES[match.group(0)])
             elif match.group(0) in FSDP_NAMES:
                 flags.update(fsdp=FSDP_NAMES[match.group(0)], dist_opt=True)
             else:
                 flags["sp" if match.group(0) == "sp" else "dist_opt"] = True
             pos = match.end()
         tp, dp = sizes.pop("tp"), sizes.pop("dp")
-        return cls(tp * sizes["pp"] * sizes["cp"] * dp, tp=tp, **sizes, **flags)
+        tp_blocks = tuple(b for b in TP_BLOCKS if b in blocks) if blocks else TP_BLOCKS
+        return cls(tp * sizes["pp"] * sizes["cp"] * dp, tp=tp, **sizes, **flags, tp_blocks=tp_blocks)
 
     def overrides(self, explicit: bool = False) -> list[str]:
         """The Hydra overrides that select this layout (the world is the number of processes started): the
@@ -227,4 +242,6 @@ class Layout:
 
 
 def _value(v) -> str:
+    if isinstance(v, tuple):  # tp_blocks: Hydra's list syntax
+        return f"[{','.join(v)}]"
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
