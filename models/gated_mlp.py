@@ -29,7 +29,7 @@ class GatedMLP(MegatronModule):
 
         def column():  # h -> ffn/tp on each TP rank
             return ColumnParallelLinear(h, ffn, config=config, init_method=config.init_method,
-                                                        bias=config.add_bias_linear, gather_output=False)
+                                        bias=config.add_bias_linear, gather_output=False)
 
         self.gate, self.up = column(), column()
         self.down = RowParallelLinear(
