@@ -1,16 +1,21 @@
 """The token-mean loss and perplexity of a checkpoint: on its run's validation batches (the ones its training
-evaluated), on a text file, or on a preprocessed dataset, at any layout.
+evaluated), on a text file, or on a preprocessed dataset, at any layout; or lm-evaluation-harness tasks (--tasks).
 
     python tools/evaluate.py --ckpt outputs/<run>/checkpoints                  # the run's own validation batches
     python tools/evaluate.py --ckpt DIR --text notes.txt --json                # a text file (one document a line)
     python tools/evaluate.py --ckpt DIR --data data/corpus --batches 20        # a dataset prefix's validation split
     python tools/evaluate.py --ckpt DIR --nproc 2 parallel.tp=2                # at another layout (it reshards)
+    python tools/evaluate.py --ckpt DIR --tasks arc_easy,hellaswag --nproc 2 parallel.tp=2    # lm-eval's tasks
+    python tools/evaluate.py --ckpt DIR --tasks my_task --include-path my_tasks/ --output results.json --log-samples
 
 The model, tokenizer, sequence length and batch sizes are the run's (run.json); the other arguments are
 overrides (the layout, train.micro_batch_size, ...). Default: train.eval_iters global batches of the validation
 split, built as the run built them, so the loss equals the run's logged val loss for that checkpoint. --text:
 each non-empty line a document followed by end-of-document, all of them cut into windows of
 model.seq_length + 1 tokens; every token is predicted once (the last window's tail is masked).
+--tasks (the `lmeval` extra: pip install -e '.[lmeval]'): lm-eval's own task definitions, or your task YAMLs
+(--include-path), scored by training/interop/lm_eval_adapter.py at max length model.seq_length on one model
+replica (processes = tp x pp); prints lm-eval's table (--json: one line), --output writes lm-eval's results.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from training.errors import ConfigError
+from training.errors import ConfigError, exit_on_error
 from training.parallel.launch_local import run_local
 from training.shims.noise import quiet_known_noise
 
@@ -35,6 +40,17 @@ def parse_args(argv):
     source = ap.add_mutually_exclusive_group()
     source.add_argument("--text", help="a text file: one document per non-empty line")
     source.add_argument("--data", help="a preprocessed dataset prefix (.bin/.idx): its validation split")
+    source.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (lm-eval ls tasks)")
+    lm = ap.add_argument_group("lm-evaluation-harness (--tasks)")
+    lm.add_argument("--include-path", action="append", default=[], help="a directory of your task YAMLs (repeat)")
+    lm.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
+    lm.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for quick checks")
+    lm.add_argument("--batch-size", type=int, default=8, help="requests per forward")
+    lm.add_argument("--max-gen-toks", type=int, default=256, help="new tokens per generation unless the task says")
+    lm.add_argument("--bootstrap-iters", type=int, default=100000, help="resamples for the stderr (0: none)")
+    lm.add_argument("--seed", type=int, default=0, help="lm-eval's seeds and the sampling generator's")
+    lm.add_argument("--output", help="write lm-eval's results (JSON) here")
+    lm.add_argument("--log-samples", action="store_true", help="--output includes every request and response")
     ap.add_argument("--batches", type=int, help="global batches of the validation split (default: train.eval_iters)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     ap.add_argument("--nproc", type=int, default=1, help="processes to spawn (ignored under torchrun)")
@@ -63,8 +79,26 @@ def text_windows(path: str, tokenizer, seq_length: int) -> list[dict]:
     return samples
 
 
+def check_tasks(args) -> None:
+    """--tasks's mistakes, before any process starts."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("--tasks needs lm-evaluation-harness, not installed: pip install -e '.[lmeval]'")
+    if missing := [d for d in args.include_path if not Path(d).is_dir()]:
+        raise ConfigError(f"--include-path {missing[0]}: no such directory (give a directory of task YAMLs)")
+    if args.batch_size < 1 or args.max_gen_toks < 1:
+        raise ConfigError(f"--batch-size={args.batch_size} and --max-gen-toks={args.max_gen_toks} must be >= 1")
+    if args.limit is not None:
+        args.limit = int(args.limit) if args.limit >= 1 else args.limit
+
+
 def run(args) -> None:
     quiet_known_noise()  # before Megatron-Core's imports warn, in every process
+    if args.tasks:
+        from training.interop.lm_eval_adapter import run_tasks
+
+        return run_tasks(args)
     import torch
     from megatron.core import parallel_state as ps
 
@@ -120,6 +154,8 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.tasks and (code := exit_on_error(check_tasks, args)):
+        return code
     return run_local(run, args, args.nproc)
 
 
