@@ -97,7 +97,7 @@ def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
         profiler = Profiler(cfg, run_dir, D.is_rank0())
         save_clock = SaveClock(cfg)  # train.save_interval / save_interval_minutes (the end and a stop save too)
         with checkpoint.Saver(cfg, run_dir, r.train_samples) as saver:  # checkpoint.async_save: in the background
-            watchdog = Watchdog.of(cfg)  # a rank stalled in a step, an evaluation or a save: named, then exit 3
+            watchdog = Watchdog.of(cfg, run_dir)  # a rank stalled in a step, an evaluation or a save: exit 3
             throughput = Throughput(cfg, state.shape, layout, info.device)
             skipped, last = 0, {}
             while iteration < t.iters:
