@@ -156,3 +156,45 @@ def test_a_block_without_activation_bytes_is_refused():
 
     with pytest.raises(BlockError, match="activation_bytes"):
         resolve_block("models.embedding:Embedding")  # declares num_params only
+
+
+STEP = ["model=tiny", "model.num_layers=2", "model.vocab_size=256", "model.fused_kernels=false",
+        f"model.seq_length={S}", f"train.micro_batch_size={B}", f"train.global_batch_size={2 * B}",
+        "checkpoint=none", "train.tensorboard=false"]
+
+
+def _whole_step(recomputes: list[str]) -> dict:
+    """Per model.recompute: (bytes the forward passes of one micro-batch saved in a real train_step, measured by
+    training/bench/measure.py as tools/bench.py --detail does; the estimate's bytes for them)."""
+    from models.shape import ModelShape
+    from training.bench import benchmark as bm
+    from training.bench.measure import SavedActivations, activation_estimate
+    from training.config.validate import validate
+    from training.engine.build import build
+    from training.engine.step import forward_step, train_step
+    from training.parallel import dist as D
+
+    out = {}
+    with D.distributed(timeout_minutes=2) as info:
+        for recompute in recomputes:
+            cfg = compose([*STEP, f"model.recompute={recompute}"])
+            layout = validate(cfg)
+            state = build(cfg, ModelShape.of(cfg.model), info.device)
+            streams = bm.batch_streams(state, bm.synthetic_batch(cfg, 256), cfg)
+            saved = SavedActivations(state)
+            train_step(state, streams(), layout, cfg, info.device, step=saved.forward_step(forward_step))
+            out[recompute] = (saved.peak, activation_estimate(cfg, state.shape, layout, info.device))
+    return out
+
+
+def test_bench_counts_what_the_forward_saves_with_recomputation():
+    """tools/bench.py --detail's activations per micro-batch (training/bench/measure.py) at every model.recompute,
+    within 10% of the estimate: recomputation in backward saves again what the forward dropped, which must not
+    count (it did: selective and full read 0.02-0.66 of the estimate, varying run to run)."""
+    from harness import run_distributed
+
+    (r,) = run_distributed(_whole_step, world_size=1, args=(["none", "selective", "full"],), timeout=180)
+    for recompute, (measured, declared) in r.items():
+        assert measured > 0 and abs(declared - measured) <= TOLERANCE * measured, \
+            f"{recompute}: estimate {declared:,.0f} bytes, measured {measured:,} ({declared / measured - 1:+.1%})"
+    assert r["full"][0] < 0.5 * r["none"][0], r  # full keeps each layer's input only

@@ -4,6 +4,7 @@ optionally side by side with Megatron-Core's own GPTModel at the same config, la
     python tools/bench.py                                   # the default config (below), one process
     python tools/bench.py --compare-mcore --json            # ours vs Megatron-Core: {"ours_s", "mcore_s", "ratio", ...}
     python tools/bench.py --compare-hf --breakdown          # ours vs transformers' Llama + plain AdamW, by phase
+    python tools/bench.py --compare                         # ours vs transformers' and torchtitan's Llama, A B C
     python tools/bench.py --layouts tp1,tp2,dp2,pp2         # one table row per layout (memory, comm share)
     python tools/bench.py --breakdown                       # + where a step's time goes (loop overhead share)
     python tools/bench.py --nproc 2 parallel.tp=2           # spawn 2 processes (gloo on CPU, NCCL on GPUs)
@@ -26,7 +27,10 @@ per window by default: on a shared machine the load changes within seconds, and 
 nearly the same load, so the ratios of neighbours stay tight where window-long medians scatter.
 
 With --compare-hf the other side is transformers' LlamaForCausalLM with our weights and a plain PyTorch
-step (training/bench/bench_hf.py), one process, fp32.
+step (training/bench/bench_hf.py), one process, fp32. --compare adds torchtitan 0.3.0's Llama3Model beside it
+(training/bench/bench_titan.py: our weights through its own Llama3StateDictAdapter.from_hf; an optional
+extra, `pip install --no-deps -c constraints.txt torchtitan==0.3.0 && pip install -e ".[bench]"`), the three
+rotating A B C, B C A, ... in each window, and reports both ratios.
 
 The vocabulary: our GPT masks padded vocabulary logits to -inf, Megatron-Core's (and HF's) does not. In a comparison
 both models get the padded size as their real vocabulary (257 bytes -> 384), so neither masks and both
@@ -55,6 +59,8 @@ def parse_args(argv=None):
     versus.add_argument("--compare-mcore", action="store_true", help="also time Megatron-Core's GPTModel, A B A B")
     versus.add_argument("--compare-hf", action="store_true",
                         help="also time transformers' LlamaForCausalLM with plain AdamW, A B A B (one process, fp32)")
+    versus.add_argument("--compare", action="store_true",
+                        help="also time transformers' and torchtitan's Llama (needs the bench extra), A B C")
     ap.add_argument("--te", action="store_true", help="Megatron-Core side: Transformer Engine spec (needs TE)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per model first (allocator, caches)")

@@ -1,5 +1,6 @@
-"""The plain-PyTorch side of `tools/bench.py --compare-hf`: transformers' LlamaForCausalLM (SDPA attention) at our
-model's shape, with our weights (training/interop/hf.py's mapping), trained the way a plain PyTorch loop trains it:
+"""The plain-PyTorch side of `tools/bench.py --compare-hf` (and `--compare`, with training/bench/bench_titan.py's
+torchtitan model): transformers' LlamaForCausalLM (SDPA attention) at our model's shape, with our weights
+(training/interop/hf.py's mapping), trained the way a plain PyTorch loop trains it:
 `torch.optim.AdamW` (weight decay on matrices only, as Megatron-Core's optimizer groups them),
 `clip_grad_norm_`, and the learning rate of our config's schedule (Megatron-Core's OptimizerParamScheduler with
 training/engine/bridge.py's arguments, stepping the torch optimizer's param groups: warmup from 0, then decay).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,22 +30,30 @@ from training.interop import hf, hf_config
 
 
 @dataclass
-class HFSide:
-    model: torch.nn.Module  # LlamaForCausalLM
+class PlainSide:
+    """A plain PyTorch model and its training pieces (torch AdamW, our config's schedule)."""
+
+    model: torch.nn.Module  # LlamaForCausalLM, torchtitan's Llama3Model
     optimizer: torch.optim.AdamW
     scheduler: OptimizerParamScheduler
     cfg: Config
+    logits: Callable  # (model, tokens [b, s]) -> logits [b, s, V]
 
 
-def build_hf(state, cfg: Config, device: torch.device) -> HFSide:
+def check_plain(state, cfg: Config, flag: str) -> None:
+    """What a plain-PyTorch comparison needs of our run: fp32, a dense model, no dropout."""
+    if cfg.train.precision != Precision.fp32:
+        raise ConfigError(f"{flag} runs fp32 (the plain PyTorch side has no mixed-precision main weights): drop "
+                          "train.precision")
+    if state.shape.num_experts or cfg.model.hidden_dropout or cfg.model.attention_dropout:
+        raise ConfigError(f"{flag} compares a dense Llama without dropout: drop model.moe.* and model.*_dropout")
+
+
+def build_hf(state, cfg: Config, device: torch.device, flag: str = "--compare-hf") -> PlainSide:
     """LlamaForCausalLM with the weights of our single-process model `state` (TrainState, tp = pp = 1)."""
     import transformers
 
-    if cfg.train.precision != Precision.fp32:
-        raise ConfigError("--compare-hf runs fp32 (the HF side has no mixed-precision main weights): drop "
-                          "train.precision")
-    if state.shape.num_experts or cfg.model.hidden_dropout or cfg.model.attention_dropout:
-        raise ConfigError("--compare-hf compares a dense Llama without dropout (transformers' LlamaForCausalLM)")
+    check_plain(state, cfg, flag)
     config = hf_config.hf_config(state.shape, cfg.model, "fp32")  # LlamaConfig, or Qwen's for their options
     config._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config).to(device)
@@ -57,6 +67,11 @@ def build_hf(state, cfg: Config, device: torch.device) -> HFSide:
         missing.discard("lm_head.weight")  # the embedding's tensor
     if missing:
         raise RuntimeError(f"weights not copied into the HF model: {sorted(missing)}")
+    return plain_side(model, cfg, lambda m, tokens: m(input_ids=tokens).logits)
+
+
+def plain_side(model: torch.nn.Module, cfg: Config, logits: Callable) -> PlainSide:
+    """`model` in training mode with torch AdamW and Megatron-Core's schedule at our config's settings."""
     model.train()
     o = cfg.optim
     decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
@@ -65,7 +80,7 @@ def build_hf(state, cfg: Config, device: torch.device) -> HFSide:
                                    {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}],
                                   lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))  # sets step 0's lr
-    return HFSide(model, optimizer, scheduler, cfg)
+    return PlainSide(model, optimizer, scheduler, cfg, logits)
 
 
 def micro_batches(batch: list[dict], micro_batch_size: int, device: torch.device) -> list[tuple]:
@@ -92,7 +107,7 @@ class _Phases:
         self._last = None if name is None else (name, now)
 
 
-def hf_train_step(side: HFSide, micro: list[tuple], phases: _Phases | None = None) -> tuple[float, float]:
+def hf_train_step(side: PlainSide, micro: list[tuple], phases: _Phases | None = None) -> tuple[float, float]:
     """One optimizer step over the micro-batches; returns (global token-mean loss, grad norm before clipping).
     With `phases`, the time of each part is added to it (zero, forward, loss, backward, clip, optimizer)."""
     mark = phases.mark if phases is not None else (lambda name: None)
@@ -102,7 +117,7 @@ def hf_train_step(side: HFSide, micro: list[tuple], phases: _Phases | None = Non
     loss_sum = torch.zeros((), dtype=torch.float64, device=total_tokens.device)
     for tokens, labels, mask in micro:
         mark("forward")
-        logits = side.model(input_ids=tokens).logits  # [b, s, V]
+        logits = side.logits(side.model, tokens)  # [b, s, V]
         mark("loss")
         micro_sum = _loss_sum(logits, labels, mask)
         mark("backward")
@@ -118,7 +133,7 @@ def hf_train_step(side: HFSide, micro: list[tuple], phases: _Phases | None = Non
     return (loss_sum / total_tokens).item(), norm.item()
 
 
-def hf_breakdown(side: HFSide, micro: list[tuple], device: torch.device, steps: int) -> dict:
+def hf_breakdown(side: PlainSide, micro: list[tuple], device: torch.device, steps: int) -> dict:
     """Shares of the HF step by phase, as benchmark.breakdown gives ours."""
     phases = _Phases(device)
     start = time.perf_counter()
@@ -134,14 +149,14 @@ def _loss_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) ->
     return (per_token * mask.flatten()).sum()
 
 
-def hf_loss(side: HFSide, micro: list[tuple]) -> float:
+def hf_loss(side: PlainSide, micro: list[tuple]) -> float:
     """The global token-mean loss, forward only."""
     with torch.no_grad():
-        sums = [_loss_sum(side.model(input_ids=t).logits, y, m).double() for t, y, m in micro]
+        sums = [_loss_sum(side.logits(side.model, t), y, m).double() for t, y, m in micro]
     return (sum(sums) / sum(m.sum() for _, _, m in micro)).item()
 
 
-def time_hf_steps(side: HFSide, micro: list[tuple], device: torch.device, steps: int) -> list[float]:
+def time_hf_steps(side: PlainSide, micro: list[tuple], device: torch.device, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         sync(device)

@@ -224,3 +224,26 @@ def paired_windows(a, b, windows: int, steps: int, other: str = "mcore") -> dict
     return {"ours_s": statistics.median(a_all), f"{other}_s": statistics.median(b_all),
             "ratio": statistics.median(ratios), "window_ratios": ratios, "ratio_min": min(a_all) / min(b_all),
             "ours_steps_s": a_all, f"{other}_steps_s": b_all}
+
+
+def rotated_windows(a, others: dict, windows: int, steps: int) -> dict:
+    """paired_windows against several step-timers ({name: timer}): each window runs ours and every other once, in
+    an order that rotates window to window (A B C, B C A, C A B, ...) so that no side always runs right after
+    another; `ratio_<name>` is the median over windows of ours' window median over that side's."""
+    timers = {"ours": a, **others}
+    names = list(timers)
+    times, ratios = {n: [] for n in names}, {n: [] for n in others}
+    for w in range(windows):
+        medians = {}
+        for n in names[w % len(names):] + names[:w % len(names)]:
+            t = timers[n](steps)
+            times[n] += t
+            medians[n] = statistics.median(t)
+        for n in others:
+            ratios[n].append(medians["ours"] / medians[n])
+    out = {"ours_s": statistics.median(times["ours"]), "ours_steps_s": times["ours"]}
+    for n in others:
+        out.update({f"{n}_s": statistics.median(times[n]), f"ratio_{n}": statistics.median(ratios[n]),
+                    f"window_ratios_{n}": ratios[n], f"ratio_min_{n}": min(times["ours"]) / min(times[n]),
+                    f"{n}_steps_s": times[n]})
+    return out

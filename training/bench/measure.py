@@ -2,13 +2,14 @@
 training/estimate/memory.py; these are what it is checked against).
 
     state_bytes(state)              this rank's bytes of parameters, gradient buffers and optimizer state
-    with SavedActivations(state) as saved: ...   the largest micro-batch's bytes saved for backward
+    SavedActivations(state).forward_step(step)   the largest micro-batch's bytes its forward saves
     collective_seconds(profiler)    time spent inside collectives (gloo / NCCL) in a torch.profiler trace
     measure_detail(state, ...)      all three for tools/bench.py --detail (--layouts rows)
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -49,36 +50,52 @@ def state_bytes(state: TrainState) -> int:
 
 
 class SavedActivations:
-    """Counts the bytes autograd saves for backward (each storage once, parameters excluded) between
-    `start()` calls; `peak` is the largest count, i.e. the activations of the largest forward pass. The
-    schedule calls one forward per micro-batch (and model chunk), so wrapping training.engine.step.forward_step's
-    call gives the activations of one micro-batch; a pipeline stage holds up to pp of them at once."""
+    """Counts the bytes autograd saves for backward during the forward passes only (each storage once,
+    parameters excluded), per micro-batch: `forward_step(step)` wraps the schedule's forward step so that the
+    hooks are on while it and its loss function run, and off in backward, where recomputation (model.recompute)
+    saves again what the forward dropped. The k-th call of a model chunk is its k-th micro-batch; a micro-batch's
+    count sums its chunks (interleaved pipelines). `peak` is the largest micro-batch's count: the activations
+    one micro-batch keeps on this rank; a pipeline stage holds up to pp of them at once."""
 
     def __init__(self, state: TrainState):
         self.weights = {t.untyped_storage().data_ptr() for t in state_tensors(state)}
-        self.seen: set[int] = set()
-        self.current = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.seen: dict[int, set[int]] = {}  # micro-batch -> storages counted
+        self.bytes: dict[int, int] = {}  # micro-batch -> bytes saved by its forward passes
+        self._calls: dict[int, int] = {}  # model chunk (id) -> forward calls so far
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.weights and ptr not in self.seen:
-                self.seen.add(ptr)
-                self.current += t.untyped_storage().nbytes()
-                self.peak = max(self.peak, self.current)
-        return t
+    @property
+    def peak(self) -> int:
+        return max(self.bytes.values(), default=0)
 
-    def start(self) -> None:
-        self.seen.clear()
-        self.current = 0
+    @contextlib.contextmanager
+    def counting(self, micro_batch: int):
+        """Inside: what autograd saves counts for `micro_batch`."""
+        seen = self.seen.setdefault(micro_batch, set())
+        self.bytes.setdefault(micro_batch, 0)
 
-    def __enter__(self) -> SavedActivations:
-        self._hooks.__enter__()
-        return self
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.weights and ptr not in seen:
+                    seen.add(ptr)
+                    self.bytes[micro_batch] += t.untyped_storage().nbytes()
+            return t
 
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def forward_step(self, step):
+        """`step` (a schedule's forward_step_func) counting what it and its loss function save."""
+        def counted_step(data_iterator, model):
+            k = self._calls[id(model)] = self._calls.get(id(model), -1) + 1
+            with self.counting(k):
+                output, loss_func = step(data_iterator, model)
+
+            def counted_loss(*args, **kwargs):
+                with self.counting(k):
+                    return loss_func(*args, **kwargs)
+            return output, counted_loss
+        return counted_step
 
 
 def collective_seconds(prof) -> float:
@@ -95,17 +112,39 @@ def collective_seconds(prof) -> float:
     return total / 1e6
 
 
+def cpu_math_attention(cfg, device) -> bool:
+    """On a CPU with attention dropout torch's SDPA keeps s x s tensors (training/estimate/memory.py)."""
+    from training.estimate.memory import flash_attention_on
+
+    return not flash_attention_on(cfg, device.type)
+
+
+def activation_estimate(cfg, shape, layout, device) -> float:
+    """The memory estimate's bytes for what SavedActivations measures: one micro-batch's forward passes on the
+    most-loaded stage (training/estimate/memory.py's stage_activations at one micro-batch), without the term
+    full recomputation adds for backward (one layer's activations while it is recomputed), which no forward
+    saves. On a CPU with attention dropout, the math attention's s x s tensors are counted."""
+    from models.stack import stage_layer_numbers
+    from training.estimate.memory import layer_activations, stage_activations
+
+    flash = not cpu_math_attention(cfg, device)
+    worst = 0.0
+    for stage in sorted({0, layout.pp - 1}):
+        out = stage_activations(cfg, shape, layout, 1, stage, flash)
+        if str(cfg.model.recompute) == "full":
+            out -= max(layer_activations(cfg, shape, layout, flash, n, recompute="none")
+                       for n in stage_layer_numbers(shape.num_layers, layout.pp, layout.vpp, stage))
+        worst = max(worst, out)
+    return worst
+
+
 def measure_detail(state: TrainState, streams, layout, cfg, device) -> dict:
-    """The largest rank's state bytes and activations saved per micro-batch, and the collectives' share of
-    3 profiled steps (rank 0's)."""
+    """The largest rank's state bytes and activations saved per micro-batch (and their estimate), and the
+    collectives' share of 3 profiled steps (rank 0's)."""
     from training.engine import step as S
 
-    with SavedActivations(state) as saved:
-        def counting_step(data_iterator, model):
-            saved.start()
-            return S.forward_step(data_iterator, model)
-
-        S.train_step(state, streams(), layout, cfg, device, step=counting_step)
+    saved = SavedActivations(state)
+    S.train_step(state, streams(), layout, cfg, device, step=saved.forward_step(S.forward_step))
     sizes = torch.tensor([state_bytes(state), saved.peak], dtype=torch.float64, device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
@@ -117,4 +156,6 @@ def measure_detail(state: TrainState, streams, layout, cfg, device) -> dict:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
     return {"state_bytes": int(sizes[0]), "activation_bytes": int(sizes[1]),
+            "activation_estimate_bytes": int(activation_estimate(cfg, state.shape, layout, device)),
+            "cpu_math_attention": cpu_math_attention(cfg, device),
             "comm_share": collective_seconds(prof) / wall}

@@ -1,5 +1,6 @@
 """tools/bench.py's work in each process of a run: build our model once, time it (alone, or A B A B against
-Megatron-Core's GPTModel or transformers' Llama), add the derived numbers, and print rank 0's result.
+Megatron-Core's GPTModel or transformers' Llama, or A B C against transformers' and torchtitan's Llamas), add the
+derived numbers, and print rank 0's result.
 
     run(args)        in every process (training.parallel.launch_local.run_local starts them): prints the result
     measure(args)    the result dict (the keys tools/bench.py --json prints)
@@ -81,7 +82,7 @@ def _build(args, cfg: Config, layout: Layout, device: torch.device) -> Bench:
 
     m = cfg.model
     shape = ModelShape.of(m, m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size)
-    if args.compare_mcore or args.compare_hf:  # equal work: no padded (masked) vocabulary rows in either model
+    if args.compare_mcore or args.compare_hf or args.compare:  # equal work: no padded (masked) vocab rows
         shape = ModelShape.of(m, shape.padded_vocab(cfg.parallel.tp))
     ours = build(cfg, shape, device)
     batch = bm.synthetic_batch(cfg, shape.vocab_size)
@@ -120,31 +121,42 @@ def compare_mcore(b: Bench, flops_per_step: float) -> dict:
     return out
 
 
-def compare_hf(b: Bench) -> dict:
-    """transformers' LlamaForCausalLM at our shape and weights: its loss on the batch, then A B A B windows."""
-    from training.bench import bench_hf
+def compare_plain(b: Bench) -> dict:
+    """transformers' LlamaForCausalLM (--compare-hf), and torchtitan's Llama3Model beside it (--compare), at our
+    shape and weights with plain AdamW: their losses on the batch, then alternating windows (paired with one
+    other side, rotated with two)."""
+    from functools import partial
+
+    from training.bench import bench_hf, bench_titan
     from training.bench import benchmark as bm
     from training.errors import ConfigError
 
     args, p = b.args, b.cfg.parallel
+    flag = "--compare" if args.compare else "--compare-hf"
     if p.tp * p.pp * p.cp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("--compare-hf runs one process (transformers' model is not tensor/pipeline/context "
+        raise ConfigError(f"{flag} runs one process (the plain PyTorch models are not tensor/pipeline/context "
                           "parallel): drop --nproc and the parallel.* overrides")
     loss_ours = b.loss_of(b.ours, b.ours_streams)
-    side = bench_hf.build_hf(b.ours, b.cfg, b.device)
+    sides = {"hf": bench_hf.build_hf(b.ours, b.cfg, b.device, flag)}
+    if args.compare:
+        sides["titan"] = bench_titan.build_titan(b.ours, b.cfg, b.device)
     micro = bench_hf.micro_batches(b.batch, b.cfg.train.micro_batch_size, b.device)
-    out = {"loss_ours": loss_ours, "loss_hf": bench_hf.hf_loss(side, micro)}
-    out["loss_rel_diff"] = abs(out["loss_ours"] - out["loss_hf"]) / abs(out["loss_hf"])
-
-    def run_hf(n):
-        return bench_hf.time_hf_steps(side, micro, b.device, n)
-
-    run_hf(args.warmup)
-    out.update(bm.paired_windows(b.run_ours, run_hf, args.windows, args.steps, other="hf"))
-    if args.breakdown:
-        out["hf_breakdown"] = bench_hf.hf_breakdown(side, micro, b.device, args.windows * args.steps)
-    if args.profile:
-        _print_profile("hf", run_hf, args.profile)
+    out, timers = {"loss_ours": loss_ours}, {}
+    for name, side in sides.items():
+        out[f"loss_{name}"] = bench_hf.hf_loss(side, micro)
+        out[f"loss_rel_diff_{name}"] = abs(loss_ours - out[f"loss_{name}"]) / abs(out[f"loss_{name}"])
+        timers[name] = partial(bench_hf.time_hf_steps, side, micro, b.device)
+        timers[name](args.warmup)
+    if args.compare:
+        out.update(bm.rotated_windows(b.run_ours, timers, args.windows, args.steps))
+    else:
+        out["loss_rel_diff"] = out.pop("loss_rel_diff_hf")
+        out.update(bm.paired_windows(b.run_ours, timers["hf"], args.windows, args.steps, other="hf"))
+    for name, side in sides.items():
+        if args.breakdown:
+            out[f"{name}_breakdown"] = bench_hf.hf_breakdown(side, micro, b.device, args.windows * args.steps)
+        if args.profile:
+            _print_profile(name, timers[name], args.profile)
     return out
 
 
@@ -184,8 +196,8 @@ def measure(args) -> dict:
         result = _header(b)
         if args.compare_mcore:
             result.update(compare_mcore(b, flops_per_step))
-        elif args.compare_hf:
-            result.update(compare_hf(b))
+        elif args.compare_hf or args.compare:
+            result.update(compare_plain(b))
         else:
             result["ours_steps_s"] = b.run_ours(args.windows * args.steps)
             result["ours_s"] = statistics.median(result["ours_steps_s"])

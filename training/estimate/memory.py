@@ -94,6 +94,13 @@ def activation_context(cfg: Config, shape: ModelShape, lay: Layout, flash_attent
                              flash=flash_attention, fused=fused, recompute=str(recompute or m.recompute))
 
 
+def flash_attention_on(cfg: Config, device_type: str) -> bool:
+    """Whether SDPA keeps no s x s scores: its flash kernels on GPUs, and torch's CPU flash kernel without dropout;
+    with model.attention_dropout > 0 on a CPU it falls back to the math path, which keeps the [b, np, s, s]
+    softmax output, its dropout mask and the dropped probabilities (flash_attention=False counts them)."""
+    return not (device_type == "cpu" and cfg.model.attention_dropout > 0)
+
+
 def layer_activations(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool, layer_number: int = 1,
                       recompute: str | None = None) -> float:
     """Bytes layer `layer_number` keeps for backward, for one micro-batch, on one GPU: what its blocks declare."""
@@ -139,11 +146,13 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
         out += max(_layer_bytes(shape, split, replace(act, recompute="none"), n) for n in numbers)
     if lay.cp > 1:  # the causal mask of context-parallel attention, [s/cp, s] additive, shared by the layers
         out += act.bytes * act.seq * shape.seq_length
-    if stage == lay.pp - 1:  # final norm and output-layer inputs; logits and cross-entropy's fp32 softmax
+    if stage == lay.pp - 1:  # final norm and output-layer inputs; cross entropy's fp32 softmax over the vocabulary
         e = 2 if cfg.train.precision == "bf16" else 4
         s, b = shape.seq_length // lay.cp, cfg.train.micro_batch_size
         out += 2 * e * s * b * shape.hidden_size / (lay.tp if lay.sp else 1)
-        out += (e + 4) * s * b * shape.padded_vocab(lay.tp) / split.of("vocab").tp
+        # only the fp32 softmax is kept (as in Megatron-LM's theoretical memory: 4 bytes a logit): fp32 logits
+        # become it in place, bf16 ones are freed after the loss (measured: training/bench/measure.py)
+        out += 4 * s * b * shape.padded_vocab(lay.tp) / split.of("vocab").tp
     return out
 
 

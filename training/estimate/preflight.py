@@ -25,7 +25,7 @@ import torch
 from models.shape import ModelShape
 from training.config.schema import Config
 from training.errors import ConfigError
-from training.estimate.memory import GB, Estimate, estimate
+from training.estimate.memory import GB, Estimate, estimate, flash_attention_on
 from training.parallel.layout import Layout
 
 # Distributions whose versions explain a run's numbers (torch: its own __version__, which names the
@@ -94,7 +94,7 @@ def preflight(cfg: Config, layout: Layout, shape: ModelShape, device: torch.devi
     """Print the estimate (rank 0), write the environment report (rank 0), stop on GPU if it cannot fit."""
     from training.parallel.dist import is_rank0, print0
 
-    est = estimate(cfg, shape, layout)
+    est = estimate(cfg, shape, layout, flash_attention_on(cfg, device.type))
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     budget = "" if capacity is None else \
         f"; budget {capacity * cfg.train.max_memory_fraction / GB:.1f} GB of {capacity / GB:.1f} GB"
