@@ -168,6 +168,7 @@ def test_fine_tuned_checkpoints_export_as_their_family_with_equal_logits(familie
             assert (root / f"exported_{name}" / "generation_config.json").is_file(), name
             assert config["eos_token_id"] == original["eos_token_id"], name
         for key in ("model_type", "head_dim", "num_key_value_heads", "rope_parameters", "tie_word_embeddings",
+                    "max_position_embeddings",  # 128, though it trained at seq 64
                     "num_experts", "num_local_experts", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
                     "decoder_sparse_step"):
             assert config.get(key) == original.get(key), (name, key, config.get(key), original.get(key))
@@ -229,6 +230,7 @@ def test_presets_are_the_published_models():
             setattr(imported, key, value)
         imported.seq_length = ours.seq_length
         assert ModelShape.of(imported) == ModelShape.of(ours), preset
+        assert ours.max_position_embeddings == published["max_position_embeddings"], preset  # what export writes
         config = getattr(transformers, CONFIG_CLASSES[published["model_type"]])(**published)
         with torch.device("meta"):
             hf = transformers.AutoModelForCausalLM.from_config(config)

@@ -125,6 +125,7 @@ class ModelConfig:
     kv_channels: Optional[int] = None  # head dim; null = hidden_size / num_attention_heads
     vocab_size: Optional[int] = None  # null = the tokenizer's (byte: 256 bytes + EOD = 257)
     seq_length: int = 128  # training sequence length (tokens per sample)
+    max_position_embeddings: Optional[int] = None  # context length a Hugging Face export records; null: seq_length
     position_embedding: PositionEmbedding = PositionEmbedding.rope  # RoPE is what modern decoders use
     rotary_base: float = 10000.0  # RoPE theta (Llama 2: 1e4, Llama 3: 5e5)
     normalization: Normalization = Normalization.RMSNorm  # RMSNorm (Llama) | LayerNorm (GPT-2)

@@ -80,6 +80,7 @@ def model_fields(hf: dict) -> dict:
         num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
         kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
         vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
+        max_position_embeddings=hf.get("max_position_embeddings"),  # kept for export when seq_length is cut
         position_embedding="rope", rotary_base=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
         add_bias_linear=bool(hf.get("attention_bias", False)) and kind not in QWEN,
@@ -151,7 +152,8 @@ def hf_config(shape, model, precision: str):
     common = dict(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
-        head_dim=shape.kv_channels, max_position_embeddings=shape.seq_length, rope_theta=shape.rotary_base,
+        head_dim=shape.kv_channels, max_position_embeddings=model.max_position_embeddings or shape.seq_length,
+        rope_theta=shape.rotary_base,
         rms_norm_eps=shape.norm_epsilon, hidden_act="silu", tie_word_embeddings=shape.tie_embeddings,
         attention_dropout=model.attention_dropout, initializer_range=model.init_method_std, bos_token_id=None,
         eos_token_id=None, **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
