@@ -125,10 +125,10 @@ def candidates(cfg, world: int, gpus_per_node: int) -> tuple[list, list[str]]:
             sharding = [(False, "none")] + [(True, "none")] * (base.grad_group > 1) + \
                 [(True, "optim_grads"), (True, "optim_grads_params")] * base.dp_enabled
             # minimal TP (parallel.tp_blocks): only the MLP, or the MLP and the vocabulary split (without SP)
-            splits = [(False, TP_BLOCKS)] + [(True, TP_BLOCKS)] * (tp > 1) + [(False, ("mlp",)),
-                                                                              (False, ("mlp", "vocab"))] * (tp > 1)
+            sp_and_blocks = [(False, TP_BLOCKS)] + [(True, TP_BLOCKS), (False, ("mlp",)),
+                                                    (False, ("mlp", "vocab"))] * (tp > 1)
             for vpp, (sp, blocks), (dist_opt, fsdp), recompute, ep in itertools.product(
-                    [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []), splits, sharding,
+                    [None] + ([v for v in divisors(per_stage) if v >= 2] if pp > 1 else []), sp_and_blocks, sharding,
                     Recompute, eps):
                 parallel = dataclasses.replace(p, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp, dist_opt=dist_opt, ep=ep,
                                                etp=1, fsdp=fsdp, tp_blocks=list(blocks),
