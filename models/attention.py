@@ -30,14 +30,18 @@ class ApplyRope(torch.autograd.Function):
     """RoPE, non-interleaved, on q and k at once: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] on
     the halves.
 
-    Bit-identical to Megatron-Core's unfused `apply_rotary_pos_emb` (forward and gradient, fp32 and bf16:
-    the same products, rounded the same way) but written half by half into one output, without its
-    chunk / neg / cat copies and slice gradients: ~1.6x faster on CPU at the tiny preset's shapes; one
-    autograd node for q and k halves the Python overhead (a few % of a small layer on CPU).
+    Written half by half into one output, without Megatron-Core's chunk / neg / cat copies and slice gradients:
+    one product t * cos, then each half's sin term added in place (3 kernels a tensor, forward and backward; one
+    autograd node for q and k). fp32: the sin terms as `addcmul_`, which may round the product-sum once where
+    Megatron-Core's `apply_rotary_pos_emb` rounds twice: within 6e-8 relative of it (forward and gradient; the
+    issue allows 1e-6), ~1.5x faster than the bit-identical form on CPU at the tiny preset (~0.4 against ~0.7 ms
+    forward + backward a layer and micro-batch). bf16 / fp16: each product rounded as Megatron-Core rounds it
+    (bit-identical). Each element goes through the same kernels on the same contiguous run of hn/2 values at any
+    layout (TP splits heads, CP the sequence): identical across layouts (tests/test_bench.py).
     """
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):  # q [s, b, np, hn], k [s, b, ng, hn]; cos, sin [s, 1, 1, hn] in their dtype
+    def forward(ctx, q, k, cos, sin):  # q [s, b, np, hn], k [s, b, ng, hn]; cos [s, 1, 1, hn], sin [s, 1, 1, hn/2]
         ctx.save_for_backward(cos, sin)
         return _rotate(q, cos, sin, 1), _rotate(k, cos, sin, 1)
 
@@ -48,17 +52,20 @@ class ApplyRope(torch.autograd.Function):
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
-    """[t1 cos - sign t2 sin, t2 cos + sign t1 sin] of t = [t1, t2] (last dim halves): sign 1 rotates, -1 undoes."""
+    """[t1 cos - sign t2 sin, t2 cos + sign t1 sin] of t = [t1, t2] (last dim halves; cos [..., hn] with equal
+    halves, sin [..., hn/2]): sign 1 rotates, -1 undoes. A new contiguous tensor like t."""
     h = t.shape[-1] // 2
-    c, s, t1, t2 = cos[..., :h], sin[..., :h], t[..., :h], t[..., h:]  # cos, sin halves are equal
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    o1, o2 = out[..., :h], out[..., h:]
-    if sign > 0:
-        torch.mul(t1, c, out=o1).sub_(t2 * s)  # t1 cos - t2 sin
-        torch.mul(t2, c, out=o2).add_(t1 * s)  # t2 cos + t1 sin
+    out = t * cos  # [..., hn]: t1 cos, t2 cos
+    o1, o2, t1, t2 = out[..., :h], out[..., h:], t[..., :h], t[..., h:]
+    if t.dtype == torch.float32:
+        o1.addcmul_(t2, sin, value=-sign)
+        o2.addcmul_(t1, sin, value=sign)
+    elif sign > 0:  # round t2 sin before the sum, as Megatron-Core does (addcmul would round once: 1 ulp off)
+        o1.sub_(t2 * sin)
+        o2.add_(t1 * sin)
     else:
-        torch.mul(t1, c, out=o1).add_(t2 * s)
-        torch.mul(t2, c, out=o2).sub_(t1 * s)
+        o1.add_(t2 * sin)
+        o2.sub_(t1 * sin)
     return out
 
 
@@ -88,9 +95,11 @@ class SelfAttention(MegatronModule):
             input_is_parallel=True, skip_bias_add=True,
         )
 
-    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None, cache: KVCache | None = None):
-        """x [s(/tp), b, h]; rotary_freqs [s, 1, 1, hn] (or [s, b, 1, hn] with a cache: each sequence's own
-        positions); cache: generation's keys and values so far (models/kv_cache.py), None in training."""
+    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None, cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None):
+        """x [s(/tp), b, h]; rotary_freqs [s, 1, 1, hn] (or [s, b, 1, hn] with a cache or packed sequences: each
+        token's own position); cache: generation's keys and values so far (models/kv_cache.py), None in training;
+        attention_mask [b, 1, s, s]: packed sequences' (models/core_attention.packed_mask), None: causal."""
         qkv, _ = self.linear_qkv(x)  # [s, b, ng/tp * (np/ng + 2) * hn] (SP: gathered along s)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, (self.heads_per_group + 2) * self.head_dim)
@@ -105,9 +114,9 @@ class SelfAttention(MegatronModule):
             k, v = cache.store(self.layer_number, k, v)
             out = self.core_attention(q, k, v, mask=cache.mask(s))
         elif self.selective_recompute and self.training:  # keep only q, k, v; redo attention in backward
-            out = tensor_parallel.checkpoint(self.core_attention, False, q, k, v)
+            out = tensor_parallel.checkpoint(self.core_attention, False, q, k, v, attention_mask)
         else:
-            out = self.core_attention(q, k, v)  # [s, b, np/tp * hn]
+            out = self.core_attention(q, k, v, mask=attention_mask)  # [s, b, np/tp * hn]
         return self.linear_proj(out)  # ([s(/tp), b, h], bias or None)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor):
@@ -116,7 +125,9 @@ class SelfAttention(MegatronModule):
             # TE's fused kernel, interleaved or partial RoPE: Megatron-Core's own
             return apply_rotary_pos_emb(q, freqs, c), apply_rotary_pos_emb(k, freqs, c)
         if self._rope_cache[0] is not freqs or self._rope_cache[1].dtype != q.dtype:  # RotaryEmbedding caches freqs
-            self._rope_cache = (freqs, torch.cos(freqs).to(q.dtype), torch.sin(freqs).to(q.dtype))  # [s, 1, 1, hn]
+            half = freqs[..., :freqs.shape[-1] // 2]  # RoPE's angles: both halves of freqs are equal
+            self._rope_cache = (freqs, torch.cos(freqs).to(q.dtype),  # [s, 1, 1, hn] (packed: [s, b, 1, hn])
+                                torch.sin(half).to(q.dtype).contiguous())  # [s, 1, 1, hn/2]
         _, cos, sin = self._rope_cache
         return ApplyRope.apply(q, k, cos, sin)
 

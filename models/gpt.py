@@ -23,6 +23,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_sharded_tensor_for_checkpoint
 
+from models.core_attention import packed_mask
 from models.embedding import Embedding
 from models.kv_cache import KVCache
 from models.layer import HF_NAMES
@@ -88,24 +89,30 @@ class GPT(LanguageModule):
         self.input_tensor = input_tensor
 
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None, position_ids: torch.Tensor | None = None):
+                cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None):
         """input_ids (first stage only), labels [b, s]. Returns per-token loss [b, s] (with labels), else logits
         [b, s, V_padded/tp] on the last stage, else this stage's activations [s(/tp), b, h]. cache: generation
         (models/kv_cache.py): the new tokens take their positions from it and attend to what it holds.
         position_ids [b, s]: the tokens' positions when they are not 0..s-1 (context parallel: this rank's
-        zigzag share, s = seq/cp; learned positions read them, RoPE slices its own table the same way)."""
-        positions = position_ids if cache is None else cache.positions(
-            input_ids.shape[1] if self.pre_process else self.input_tensor.shape[0])  # [b, s]
-        x = self.embedding(input_ids, positions) if self.pre_process else self.input_tensor  # [s(/tp), b, h]
-        freqs = None
-        if self.rotary_pos_emb is not None and cache is not None:  # each sequence's own positions
-            table = self.rotary_pos_emb(cache.max_length)[:, 0, 0, :]  # [max, hn]
-            freqs = table[positions.t()].unsqueeze(2)  # [s, b, 1, hn]
+        zigzag share, s = seq/cp; learned positions read them, RoPE slices its own table the same way).
+        segment_ids [b, s]: packed sequences (every stage; with position_ids from 0 in each): a token attends
+        only to its own segment (models/core_attention.packed_mask) and RoPE takes its position_ids."""
+        if cache is not None:
+            position_ids = cache.positions(input_ids.shape[1] if self.pre_process else self.input_tensor.shape[0])
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor  # [s(/tp), b, h]
+        freqs = mask = None
+        if segment_ids is not None:
+            mask = packed_mask(segment_ids, x.dtype)  # [b, 1, s, s], once for every layer
+        if self.rotary_pos_emb is not None and (cache is not None or segment_ids is not None):  # per token
+            longest = cache.max_length if cache is not None else segment_ids.shape[1]
+            table = self.rotary_pos_emb(longest)  # [longest, 1, 1, hn]
+            freqs = table[:, 0, 0, :][position_ids.t()].unsqueeze(2)  # [s, b, 1, hn]
         elif self.rotary_pos_emb is not None:
             sp_factor = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
             # the full length's table; under CP Megatron-Core's RotaryEmbedding keeps this rank's zigzag rows
             freqs = self.rotary_pos_emb(x.shape[0] * sp_factor * self.config.context_parallel_size)  # [s/cp, 1, 1, hn]
-        x = self.decoder(x, freqs, cache)
+        x = self.decoder(x, freqs, cache, mask)
         if cache is not None:
             cache.advance(x.shape[0])
         if not self.post_process:

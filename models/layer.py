@@ -35,11 +35,13 @@ class TransformerLayer(MegatronModule):
             out = out + bias
         return x + self.dropout(out)
 
-    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None, cache=None):  # [s(/tp), b, h]
+    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None, cache=None,
+                attention_mask: torch.Tensor | None = None):  # [s(/tp), b, h]
         h = self.input_layernorm(x)
-        # cache (generation, models/kv_cache.py) only when given: an attention block without one still trains
-        attention = self.self_attention(h, rotary_freqs) if cache is None else \
-            self.self_attention(h, rotary_freqs, cache)
+        # cache (generation, models/kv_cache.py) and attention_mask (packed sequences) only when given: an
+        # attention block without them still trains on documents
+        options = {k: v for k, v in (("cache", cache), ("attention_mask", attention_mask)) if v is not None}
+        attention = self.self_attention(h, rotary_freqs, **options)
         x = self._residual(x, attention)
         return self._residual(x, self.mlp(self.pre_mlp_layernorm(x)))
 

@@ -42,16 +42,17 @@ class TransformerStack(MegatronModule):
         self.final_layernorm = Norm(config) if post_process else None
         self.full_recompute = config.recompute_granularity == "full"
 
-    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None, cache=None):  # [s(/tp), b, h]
+    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None, cache=None,
+                attention_mask: torch.Tensor | None = None):  # [s(/tp), b, h]; mask [b, 1, s, s] (packed)
         # Under SP each TP rank holds different tokens: hidden dropout must differ across ranks.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel \
             else contextlib.nullcontext()
         with rng:
             for layer in self.layers:
                 if self.full_recompute and self.training:  # keep only each layer's input
-                    x = tensor_parallel.checkpoint(layer, False, x, rotary_freqs)
+                    x = tensor_parallel.checkpoint(layer, False, x, rotary_freqs, None, attention_mask)
                 else:
-                    x = layer(x, rotary_freqs, cache)
+                    x = layer(x, rotary_freqs, cache, attention_mask)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -106,7 +106,7 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
     from models.spec import extra_stats
     from training.config.compose import compose
     from training.config.validate import validate
-    from training.data.datasets import micro_batch_streams
+    from training.data.streams import micro_batch_streams
     from training.engine.build import build
     from training.engine.losses import extra_losses, global_loss
     from training.engine.step import run_schedule, train_step
@@ -142,7 +142,8 @@ def _one_layout(overrides: list[str], weights: dict | None, batch: list[dict], s
         D.set_seeds(cfg.train.seed)
 
         def iterators():
-            return micro_batch_streams(len(state.model), batch, 0, cfg.train.micro_batch_size)
+            return micro_batch_streams(len(state.model), batch, 0, cfg.train.micro_batch_size,
+                                       every_stage="segment_ids" in batch[0])  # packed: every stage reads
 
         def tagged(param, tensor):
             parallel = getattr(param, "tensor_model_parallel", False)

@@ -93,6 +93,13 @@ INVALID = {
                              "checkpoint.async_save=true writes Megatron-Core's torch_dist format; "
                              "parallel.fsdp=optim_grads saves synchronously"),
     "zero-micro-batch": (["train.micro_batch_size=0"], 1, "train.micro_batch_size=0 must be >= 1"),
+    "sft-without-data": (["data.format=sft"], 1, "data.format=sft needs data.paths: conversations written by "
+                                                 "tools/preprocess_data.py --format sft"),
+    "sft-with-cp": (["data.format=sft", "data.paths=[a]", "parallel.cp=2"], 2,
+                    "data.format=sft with parallel.cp=2: context parallelism does not take packed sequences"),
+    "sft-with-weights": (["data.format=sft", "data.paths=[a,b]", "data.weights=[1,2]"], 1,
+                         "data.format=sft reads data.paths one after another: remove data.weights=[1.0, 2.0]"),
+    "format-choice": (["data.format=chat"], 1, "data.format: Invalid value 'chat', expected one of [text, sft]"),
 }
 
 

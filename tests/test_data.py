@@ -15,7 +15,8 @@ import pytest
 import torch
 from corpora import BYTE, EXPECTED_WARNINGS, config, corpus
 
-from training.data.datasets import MicroBatches, build_datasets, resolve_vocab_size, write_indexed
+from training.data.datasets import build_datasets, resolve_vocab_size, write_indexed
+from training.data.streams import MicroBatches
 from training.errors import ConfigError
 
 pytestmark = EXPECTED_WARNINGS

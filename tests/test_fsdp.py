@@ -125,7 +125,7 @@ def _state_bytes(overrides: list[str], vocab_size: int) -> int:
     from training.bench.measure import state_bytes
     from training.config.compose import compose
     from training.config.validate import validate
-    from training.data.datasets import micro_batch_streams
+    from training.data.streams import micro_batch_streams
     from training.engine.build import build
     from training.engine.step import train_step
     from training.parallel import dist as D

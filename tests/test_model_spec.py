@@ -104,7 +104,7 @@ def _objective_vs_engine(overrides: list[str]) -> dict:
     from models.extra_losses import Stat
     from models.shape import ModelShape
     from training.config.validate import validate
-    from training.data.datasets import micro_batch_streams
+    from training.data.streams import micro_batch_streams
     from training.engine.build import build
     from training.engine.losses import extra_losses
     from training.engine.step import run_schedule

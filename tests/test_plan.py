@@ -212,7 +212,7 @@ def _state_bytes(overrides: list[str], vocab_size: int) -> list[int]:
     distributed optimizer."""
     from training.bench.measure import state_bytes
     from training.config.validate import validate
-    from training.data.datasets import MicroBatches
+    from training.data.streams import MicroBatches
     from training.engine.build import build
     from training.engine.step import train_step
     from training.parallel import dist as D

@@ -28,7 +28,7 @@ def _chain(root: str) -> list[dict]:
 
     from training import checkpoint
     from training.config.validate import validate
-    from training.data.datasets import MicroBatches
+    from training.data.streams import MicroBatches
     from training.engine.build import build
     from training.engine.step import train_step
     from training.parallel import dist as D

@@ -164,7 +164,7 @@ def test_a_bad_token_id_names_its_sample_and_the_stream_loses_nothing():
     import torch
 
     from training.data.batch_check import DamagedData, check_token_ids
-    from training.data.datasets import MicroBatches
+    from training.data.streams import MicroBatches
 
     def sample(i: int) -> dict:
         labels = torch.tensor([i, {14: 300, 19: -1}.get(i, 0)])  # sample 14: beyond a vocabulary of 257; 19: < 0

@@ -103,7 +103,8 @@ def run(args) -> None:
     from megatron.core import parallel_state as ps
 
     from training.config.validate import validate
-    from training.data.datasets import build_datasets, micro_batch_streams, reads_data
+    from training.data.build import build_datasets
+    from training.data.streams import micro_batch_streams, reads_data
     from training.data.tokenizer import build_tokenizer
     from training.engine.losses import global_loss_sum
     from training.engine.step import run_schedule
@@ -123,6 +124,7 @@ def run(args) -> None:
     with D.distributed(**D.layout_of(cfg)) as info:
         state = load_model(cfg, shape, info.device)
         chunks, micro, g = len(state.model), cfg.train.micro_batch_size, cfg.train.global_batch_size
+        packed = str(cfg.data.format) == "sft" and not args.text  # conversations: every stage reads its batches
         if args.text:
             samples = text_windows(args.text, tokenizer, cfg.model.seq_length)
             blank = {k: torch.zeros_like(v) for k, v in samples[0].items()}
@@ -132,13 +134,13 @@ def run(args) -> None:
             batches = args.batches or cfg.train.eval_iters
             t = cfg.train
             evals = t.iters // t.eval_interval + 1 if t.eval_interval else 1  # sized as the run built it
-            _, samples = build_datasets(cfg, tokenizer, (run_json.get("train_samples") or t.iters * g,
-                                                         max(evals * t.eval_iters, batches) * g), reads_data(chunks))
+            sizes = (run_json.get("train_samples") or t.iters * g, max(evals * t.eval_iters, batches) * g)
+            _, samples = build_datasets(cfg, tokenizer, sizes, reads_data(chunks, packed))
             start = lambda k: k * g  # noqa: E731
         total = torch.zeros(2, dtype=torch.float64, device=info.device)
         with torch.no_grad():
             for k in range(batches):
-                streams = micro_batch_streams(chunks, samples, start(k), micro)
+                streams = micro_batch_streams(chunks, samples, start(k), micro, packed)
                 total += global_loss_sum(run_schedule(state, streams, layout, cfg, forward_only=True), info.device)
         loss = (total[0] / total[1]).item()
         if os.environ.get("RANK", "0") == "0":

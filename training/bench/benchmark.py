@@ -19,7 +19,7 @@ import torch
 
 from models.shape import ModelShape
 from training.config.schema import Config
-from training.data.datasets import micro_batch_streams
+from training.data.streams import micro_batch_streams
 from training.engine import step as S
 from training.engine.build import TrainState, build
 from training.engine.losses import loss_func

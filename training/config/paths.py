@@ -18,6 +18,7 @@ from training.errors import ConfigError
 # A checkpoint directory (written by training/checkpoint/, which takes these from here): <dir>/latest names
 # <dir>/iter_*, complete once it holds run.json (ours, written last) and metadata.json (the format's)
 LATEST, RUN_FILE, METADATA = "latest", "run.json", "metadata.json"
+MASK_SUFFIX = ".mask"  # data.format=sft: PREFIX.mask.bin/.idx, each conversation's loss mask (training/data/chat.py)
 
 
 def is_complete(path: Path) -> bool:
@@ -83,6 +84,8 @@ def load_problem(spec: str | None) -> str | None:
 def path_problems(cfg: Config) -> list[str]:
     """Every missing file the config names, one line each (data.paths only when data.mock is off)."""
     prefixes = [] if cfg.data.mock else [str(p) for p in cfg.data.paths]
+    if str(cfg.data.format) == "sft":  # conversations: each with its loss mask (training/data/chat.py)
+        prefixes = [q for p in prefixes for q in (p, f"{p}{MASK_SUFFIX}")]
     found = [prefix_problem(p) for p in prefixes] + [tokenizer_problem(cfg.data.tokenizer),
                                                      load_problem(cfg.checkpoint.load)]
     return [problem for problem in found if problem is not None]

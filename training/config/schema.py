@@ -54,6 +54,16 @@ class DecayStyle(StrEnum):
     constant = "constant"
 
 
+class DataFormat(StrEnum):
+    text = "text"  # documents: every token a target, packed end to end across documents (pretraining)
+    sft = "sft"  # conversations (tools/preprocess_data.py --format sft): answers only, packed apart
+
+
+class Overlong(StrEnum):
+    truncate = "truncate"  # keep the first seq_length + 1 tokens (a later answer loses its end)
+    drop = "drop"  # leave the conversation out
+
+
 class Precision(StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"  # bf16 params/activations, fp32 main params and grads
@@ -145,6 +155,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times tp (fast GEMMs)
     recompute: Recompute = Recompute.none  # selective (core attention) | full (every layer): compute for memory
     fused_kernels: Optional[bool] = None  # Megatron-Core's torch.compile'd SwiGLU + cross entropy; null = on with CUDA
+    compile: bool = False  # torch.compile each transformer layer (as torchtitan); opt-in: the first step compiles
 
 
 @dataclass
@@ -189,6 +200,8 @@ class DataConfig:
     cache_dir: Optional[str] = None  # where index caches and the embedded corpus go; null = <repo>/.cache
     mock: bool = False  # random tokens (Megatron-Core's MockGPTDataset): for benchmarks only
     eod_mask_loss: bool = False  # exclude the end-of-document token from the loss
+    format: DataFormat = DataFormat.text  # text | sft: what data.paths hold (docs/sft.md)
+    overlong: Overlong = Overlong.truncate  # sft: a conversation longer than the sequence (counted in the log)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from training.data.datasets import MicroBatches
+from training.data.streams import MicroBatches
 from training.errors import TemplateError
 
 NONE = 2**62  # no bad sample

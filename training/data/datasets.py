@@ -1,10 +1,6 @@
-"""Data: Megatron-Core indexed datasets -> GPTDataset (blended, split) -> this DP rank's micro-batches.
-
-`consumed_samples` is the one source of truth for where training is: global batch k holds dataset
-samples [k*G, (k+1)*G) whatever the DP size, and DP rank r of D reads, for micro-batch j, the samples
-k*G + j*m*D + r*m ... + m (Megatron's pretraining sampler). A resumed run, at any DP size, therefore
-continues with exactly the next global batch. GPTDataset builds as many samples as the run needs,
-reshuffling documents for each new epoch from the seed.
+"""Data: Megatron-Core indexed datasets -> GPTDataset (blended, split), or conversations packed for fine-tuning
+(data.format=sft, training/data/sft.py); training/data/streams.py turns either into this DP rank's micro-batches.
+GPTDataset builds as many samples as the run needs, reshuffling documents for each new epoch from the seed.
 
 The embedded default corpus is the Python Language Reference text that ships with every CPython
 (`pydoc_data.topics`, PSF licence): real English prose, ~0.5 MB, no download. It is written into the
@@ -18,11 +14,9 @@ import hashlib
 import json
 import os
 import sys
-from collections import deque
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from training.config.paths import prefix_problem
@@ -112,7 +106,7 @@ def prepare_embedded(cfg: Config, tokenizer) -> Path:
     return prefix
 
 
-def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None) -> None:
+def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None, data_format: str = "text") -> None:
     """A clear error, naming the file, for a missing / partial / empty / truncated / corrupt dataset, one
     written with another tokenizer, or one whose token ids reach the model's vocabulary (vocab_size).
 
@@ -137,6 +131,11 @@ def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None) -> None:
     except ValueError as err:
         raise ConfigError(f"data.paths: {meta_file} is not valid JSON ({err})") from err
     written = (meta.get("tokenizer"), meta.get("vocab_size"), meta.get("eod"))
+    if meta.get("format", "text") != data_format:
+        raise ConfigError(f"data.paths: {prefix} holds conversations (tools/preprocess_data.py --format sft): set "
+                          f"data.format=sft" if data_format == "text" else
+                          f"data.paths: {prefix} holds plain documents, not conversations: preprocess them with "
+                          f"tools/preprocess_data.py --format sft, or set data.format=text")
     if written != (tokenizer.name, tokenizer.vocab_size, tokenizer.eod):
         raise ConfigError(
             f"data.paths: {prefix} was written with tokenizer {written[0]} (vocab {written[1]}, eod "
@@ -237,58 +236,3 @@ def check_splits(prefixes: list[str], split_matrix, split: str) -> None:
             if count < 1:
                 raise ConfigError(f"data.split={split} leaves the {name} split of {prefix} ({documents} "
                                   f"documents) empty: give it a larger share or 0 (e.g. 95,5,0)")
-
-
-class MicroBatches:
-    """This DP rank's micro-batches, starting at `consumed_samples`, endlessly (one per next()).
-
-    read_ahead(n) reads the next n now (training/data/batch_check.py checks them before the step); next()
-    then returns those first, in order."""
-
-    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_size: int, dp_rank: int):
-        self.dataset, self.micro, self.dp, self.rank = dataset, micro_batch_size, dp_size, dp_rank
-        self.next_index = consumed_samples  # first sample of the next micro-batch group to read (micro * dp)
-        self.ahead: deque[tuple[int, dict]] = deque()  # read, not yet returned: (first sample's index, batch)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        return (self.ahead.popleft() if self.ahead else self._read())[1]
-
-    def read_ahead(self, count: int) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """The next `count` micro-batches as (index of its first sample in the dataset, batch)."""
-        while len(self.ahead) < count:
-            self.ahead.append(self._read())
-        return list(self.ahead)[:count]
-
-    def _read(self) -> tuple[int, dict[str, torch.Tensor]]:
-        start = self.next_index + self.rank * self.micro
-        self.next_index += self.micro * self.dp
-        samples = [self.dataset[i] for i in range(start, start + self.micro)]
-        return start, {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask")}
-
-
-def _chunk_reads_data(index: int, num_chunks: int) -> bool:
-    from megatron.core import parallel_state as ps
-
-    vp_stage = index if num_chunks > 1 else None
-    return ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage) or \
-        ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-
-
-def reads_data(num_chunks: int) -> bool:
-    """Whether any of this rank's model chunks takes tokens (first stage) or labels (last stage)."""
-    return any(_chunk_reads_data(i, num_chunks) for i in range(num_chunks))
-
-
-def micro_batch_streams(num_chunks: int, samples, consumed_samples: int, micro_batch_size: int):
-    """The `data_iterator` Megatron-Core's schedules take: one MicroBatches stream per model chunk that
-    reads data (those on the first or the last pipeline stage), None for the others (or when `samples` is
-    None); a bare stream when there is one chunk. `samples` is a dataset or a list of samples."""
-    from megatron.core import parallel_state as ps
-
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    streams = [MicroBatches(samples, consumed_samples, micro_batch_size, dp, rank)
-               if samples is not None and _chunk_reads_data(i, num_chunks) else None for i in range(num_chunks)]
-    return streams if num_chunks > 1 else streams[0]

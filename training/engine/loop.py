@@ -18,7 +18,9 @@ from models.shape import ModelShape
 from models.spec import extra_stats
 from training import checkpoint
 from training.config.schema import Config
-from training.data.datasets import build_datasets, micro_batch_streams, reads_data, resolve_vocab_size
+from training.data.build import build_datasets
+from training.data.datasets import resolve_vocab_size
+from training.data.streams import micro_batch_streams, reads_data
 from training.data.tokenizer import build_tokenizer
 from training.engine.build import TrainState, build
 from training.engine.metrics import RESERVED_KEYS, MetricsLogger, Throughput
@@ -69,14 +71,14 @@ def setup(cfg: Config, layout: Layout, device, run_dir: Path) -> Run:
     start = checkpoint.maybe_load(cfg, state)
     train_samples = train_dataset_size(cfg, start)
     evals = t.iters // t.eval_interval + 1 if t.eval_interval else 0
-    chunks = len(state.model)
+    chunks, packed = len(state.model), str(cfg.data.format) == "sft"  # packed: every stage reads its batches
     train_ds, valid_ds = build_datasets(cfg, tokenizer, (train_samples, evals * t.eval_iters * t.global_batch_size),
-                                        reads_data(chunks)) if start.iteration < t.iters else (None, None)
+                                        reads_data(chunks, packed)) if start.iteration < t.iters else (None, None)
     D.print0(f"config: {layout.describe()}; {t.global_batch_size * shape.seq_length} tokens/step; vocab "
              f"{shape.vocab_size} (padded {shape.padded_vocab(layout.tp)}); {device.type}; start at iteration "
              f"{start.iteration} ({start.consumed_samples} samples consumed)")
-    return Run(state, start, micro_batch_streams(chunks, train_ds, start.consumed_samples, t.micro_batch_size),
-               lambda: micro_batch_streams(chunks, valid_ds, 0, t.micro_batch_size), train_samples)
+    return Run(state, start, micro_batch_streams(chunks, train_ds, start.consumed_samples, t.micro_batch_size, packed),
+               lambda: micro_batch_streams(chunks, valid_ds, 0, t.micro_batch_size, packed), train_samples)
 
 
 def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
@@ -105,7 +107,7 @@ def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
                 with watchdog.phase("step", iteration + 1):
                     result = train_step(state, r.train_data, layout, cfg, info.device)
                 iteration, consumed, skipped = iteration + 1, consumed + t.global_batch_size, skipped + result.skipped
-                throughput.stepped()
+                throughput.stepped(result.loss_tokens)
                 if iteration % t.log_interval == 0 or iteration == t.iters:
                     record = throughput.record(iteration, result, state, consumed, skipped, restarts)
                     logger.log(record)

@@ -52,6 +52,7 @@ class TrainRecord:
     lr: float
     grad_norm: float | None
     tokens_per_s: float
+    answer_tokens_per_s: float | None  # data.format=sft: the loss's tokens (answers) a second; None otherwise
     tflops_per_gpu: float
     mfu: float | None  # None where the peak is unknown (CPU)
     mem_gb: float
@@ -64,6 +65,8 @@ class TrainRecord:
     def as_dict(self) -> dict:
         """The JSON line: the extra losses right after the loss, each under its own name."""
         plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        if plain["answer_tokens_per_s"] is None:  # not a fine-tuning run: no such key
+            del plain["answer_tokens_per_s"]
         head = {k: plain.pop(k) for k in ("iteration", "loss")}
         return {**head, **self.extra, **plain}
 
@@ -85,7 +88,9 @@ def format_line(record: dict, total_iters: int) -> str:
         f" iter {record['iteration']:>6}/{total_iters}", f"loss {num('loss', '.4f')}",
         *(f"{key} {num(key, '.4g')}" for key in record if key not in RESERVED_KEYS),
         f"lr {num('lr', '.3e')}", f"grad norm {num('grad_norm', '.3f')}",
-        f"{num('tokens_per_s', ',.0f')} tok/s", f"{num('tflops_per_gpu', '.2f')} TFLOP/s/dev",
+        f"{num('tokens_per_s', ',.0f')} tok/s",
+        *([f"{num('answer_tokens_per_s', ',.0f')} answer tok/s"] if "answer_tokens_per_s" in record else []),
+        f"{num('tflops_per_gpu', '.2f')} TFLOP/s/dev",
         f"mfu {num('mfu', '.1%')}", f"mem {num('mem_gb', '.2f')} GB", f"{num('step_ms', '.1f')} ms/step",
     ]
     if record.get("skipped"):
@@ -104,13 +109,14 @@ class Throughput:
         self.flops_per_step = flops_per_token(shape, layout.tp) * self.tokens_per_step
         self.world, self.device = layout.world, device
         self.peak = peak_tflops(device, cfg.train.precision)
+        self.answers = str(cfg.data.format) == "sft"  # also report the loss's (answer) tokens a second
         self.pause()
 
     def pause(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
+        self.start, self.steps, self.loss_tokens = time.perf_counter(), 0, 0
 
-    def stepped(self) -> None:
-        self.steps += 1
+    def stepped(self, loss_tokens: int = 0) -> None:
+        self.steps, self.loss_tokens = self.steps + 1, self.loss_tokens + loss_tokens
 
     def record(self, iteration: int, result, state, consumed: int, skipped: int, restarts: int) -> TrainRecord:
         """This window's record (step.StepResult's loss, grad norm and extras; the scheduler's lr); restarts
@@ -120,6 +126,7 @@ class Throughput:
         record = TrainRecord(
             iteration=iteration, loss=result.loss, lr=state.scheduler.get_lr(state.optimizer.param_groups[0]),
             grad_norm=result.grad_norm, tokens_per_s=self.tokens_per_step * self.steps / elapsed,
+            answer_tokens_per_s=self.loss_tokens / elapsed if self.answers else None,
             tflops_per_gpu=tflops, mfu=None if self.peak is None else tflops / self.peak,
             mem_gb=memory_gb(self.device), step_ms=1000 * elapsed / self.steps, consumed_samples=consumed,
             skipped=skipped, restarts=restarts, extra=dict(result.extra))

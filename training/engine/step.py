@@ -27,7 +27,7 @@ from models.spec import extra_stats
 from training.config.schema import Config, NanPolicy
 from training.data.batch_check import check_token_ids
 from training.engine.build import TrainState
-from training.engine.losses import extra_losses, global_loss, global_loss_sum, loss_func
+from training.engine.losses import extra_losses, global_loss_sum, loss_func
 from training.errors import TemplateError
 from training.parallel import dist as D
 from training.parallel.context import split_batch
@@ -45,6 +45,7 @@ class StepResult:
     grad_norm: float | None  # before clipping; None when the step was skipped
     skipped: bool  # no update (train.nan_policy=skip and a non-finite loss)
     extra: dict[str, float | None] = field(default_factory=dict)  # the named extra losses, global means
+    loss_tokens: int = 0  # the global batch's loss tokens (with data.format=sft: the answers' tokens)
 
 
 def forward_step(data_iterator, model):
@@ -53,8 +54,14 @@ def forward_step(data_iterator, model):
     gpt, device = unwrap(model), D.current_device()
     tokens = batch["tokens"].to(device) if gpt.pre_process else None  # [b, s(/cp)]
     labels = batch["labels"].to(device) if gpt.post_process else None  # [b, s(/cp)]
-    positions = batch["position_ids"].to(device) if gpt.pre_process and "position_ids" in batch else None
-    output = model(tokens, labels, position_ids=positions)  # [b, s(/cp)] token losses (last stage), or activations
+    # packed sequences (data.format=sft): every stage takes each token's segment and position; CP: the first
+    # stage takes the zigzag positions (learned position embeddings read them)
+    packed = batch is not None and "segment_ids" in batch
+    positions = batch["position_ids"].to(device) if batch is not None and "position_ids" in batch and \
+        (packed or gpt.pre_process) else None  # [b, s(/cp)]
+    segments = batch["segment_ids"].to(device) if packed else None  # [b, s]
+    output = model(tokens, labels, position_ids=positions, segment_ids=segments)  # [b, s(/cp)] token losses, or
+    # (not the last stage) activations
     mask = batch["loss_mask"].to(device) if gpt.post_process else None
     return output, partial(loss_func, mask)
 
@@ -96,7 +103,8 @@ def train_step(state: TrainState, streams, layout: Layout, cfg: Config, device: 
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     reports = run_schedule(state, streams, layout, cfg, forward_only=False, step=step)
-    loss = global_loss(reports, device).item()
+    total = global_loss_sum(reports, device)  # [loss sum, loss tokens] of the global batch
+    loss, tokens = (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
     extra = extra_losses(extra_stats(state.shape), device)
     problem = f"loss is {loss}" if not math.isfinite(loss) else None
     if problem is None and (ranks := nonfinite_grad_ranks(state, device)):
@@ -106,10 +114,10 @@ def train_step(state: TrainState, streams, layout: Layout, cfg: Config, device: 
         if cfg.train.nan_policy == NanPolicy.stop:
             raise NonFiniteLoss(f"{problem} at this step: stopping (train.nan_policy=stop) before the update; the "
                                 f"last checkpoint is intact. Lower optim.lr or set train.nan_policy=skip")
-        return StepResult(loss, None, True, extra)  # skip: no update anywhere, gradients are zeroed next step
+        return StepResult(loss, None, True, extra, tokens)  # skip: no update anywhere, gradients are zeroed next step
     _, grad_norm, _ = state.optimizer.step()
     state.scheduler.step(increment=1)
-    return StepResult(loss, None if grad_norm is None else float(grad_norm), False, extra)
+    return StepResult(loss, None if grad_norm is None else float(grad_norm), False, extra, tokens)
 
 
 def evaluate(state: TrainState, make_streams, layout: Layout, cfg: Config, device: torch.device) -> float:
