@@ -6,6 +6,7 @@
     python tools/preprocess_data.py --input 'corpus/*.txt' --output-prefix data/corpus --tokenizer byte
     python tools/preprocess_data.py --input 'fineweb/*.parquet' --output-prefix data/web --tokenizer tok/ --workers 8
     python tools/preprocess_data.py --input saved_ds/train web.jsonl.zst --output-prefix data/mix --tokenizer tok/
+    python tools/preprocess_data.py --format sft --input chats.jsonl --output-prefix data/chats --tokenizer hf_model/
 
 Inputs (files in the order given, each glob's matches sorted; training/data/sources.py reads them): plain text
 (a document per line), .jsonl/.json (a JSON object per line, the document in --text-key), either compressed as
@@ -15,6 +16,12 @@ skipped; each document ends with the tokenizer's end-of-document token. PREFIX.j
 training refuses to read the data with another one: train with `data.paths=[PREFIX] data.tokenizer=<the same>`.
 Parts preprocessed apart are joined with tools/merge_datasets.py.
 
+--format sft: conversations for fine-tuning (data.format=sft), a record per JSON line or Parquet/Arrow row:
+{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} or {"prompt": ..., "completion": ...}
+(and an optional "system"), rendered with the chat template of --tokenizer (a Hugging Face tokenizer directory).
+Writes PREFIX.bin/.idx (each conversation's token ids, nothing appended), PREFIX.mask.bin/.idx (1 on the assistant's
+tokens: the loss targets) and PREFIX.json; empty records are skipped and counted (training/data/chat.py).
+
 Progress over all inputs (file i/N, documents/s, MB/s of input, ETA) goes to stderr about once a second, a
 summary to stdout. Problems are one line (`error: ...`, naming the file, and the line where it has lines; an
 unknown or damaged input says what it is and what is supported) and exit code 2.
@@ -22,6 +29,7 @@ unknown or damaged input says what it is and what is supported) and exit code 2.
 
 import argparse
 import contextlib
+import json
 import logging
 import multiprocessing
 import sys
@@ -33,16 +41,21 @@ import numpy as np
 
 # Light imports only: worker processes start before torch / Megatron-Core are imported (training.data.datasets),
 # and training.data.sources imports pyarrow only for Parquet / Arrow inputs.
-from training.data import sources
+from training.data import chat, decode, sft_write, sources
 from training.data.tokenizer import ByteTokenizer, build_tokenizer
 from training.errors import ConfigError, TemplateError, exit_on_error
 
 _tokenizer = None  # one per worker process, built by init_worker (tokenizers need not pickle)
 
 
-def init_worker(spec: str) -> None:
+def load_tokenizer(spec: str, data_format: str = "text"):
+    """--tokenizer for --format: build_tokenizer's, or a chat template's (training/data/chat.py) for sft."""
+    return chat.ChatTokenizer(spec) if data_format == "sft" else build_tokenizer(spec)
+
+
+def init_worker(spec: str, data_format: str = "text") -> None:
     global _tokenizer
-    _tokenizer = build_tokenizer(spec)
+    _tokenizer = load_tokenizer(spec, data_format)
 
 
 def encode_chunk(chunk: sources.Chunk) -> tuple[list[np.ndarray], int, int, int]:
@@ -50,8 +63,18 @@ def encode_chunk(chunk: sources.Chunk) -> tuple[list[np.ndarray], int, int, int]
 
     Arrays, not lists: they pickle back to the parent as one memory copy instead of one object per token (which
     made 2 workers slower than 1)."""
-    docs = [token_ids(_tokenizer, t) for t in sources.texts(chunk)]
+    docs = [token_ids(_tokenizer, t) for t in decode.texts(chunk)]
     return docs, chunk.index, chunk.disk_bytes, chunk.text_bytes
+
+
+def encode_conversations(chunk: sources.Chunk) -> tuple[list, int, int, int]:
+    """Worker (--format sft): a chunk -> ((token ids, loss mask) per record, None for an empty one, its source
+    index, input bytes on disk, bytes of text)."""
+    found = []
+    for number, record in decode.records(chunk):
+        messages = chat.conversation(record, chunk.path, number)
+        found.append(None if messages is None else chat.encode(_tokenizer, messages, f"{chunk.path}:{number}"))
+    return found, chunk.index, chunk.disk_bytes, chunk.text_bytes
 
 
 def token_ids(tokenizer, text: str) -> np.ndarray:
@@ -68,8 +91,9 @@ class Progress:
     """Counts documents, tokens and input bytes over every input; prints a line to stderr at most every `every` s:
     which file, how much of the input (on disk) is done, the rates and the time left."""
 
-    def __init__(self, inputs: list[sources.Source], every: float = 1.0):
+    def __init__(self, inputs: list[sources.Source], every: float = 1.0, unit: str = "documents"):
         self.start = self.last = time.monotonic()
+        self.unit = unit  # what a record is called: documents, or conversations (--format sft)
         self.files, self.total = len(inputs), sum(s.size for s in inputs)
         self.every, self.file, self.documents, self.tokens, self.bytes, self.text = every, 0, 0, 0, 0, 0
 
@@ -84,11 +108,11 @@ class Progress:
         seconds = max(time.monotonic() - self.start, 1e-9)
         mb, rate = self.bytes / 1e6, self.bytes / seconds
         of_text = f", {self.text / 1e6 / seconds:.2f} MB/s of text" if self.text != self.bytes else ""
-        rates = f"{self.documents / seconds:.0f} documents/s, {mb / seconds:.2f} MB/s{of_text}"
+        rates = f"{self.documents / seconds:.0f} {self.unit}/s, {mb / seconds:.2f} MB/s{of_text}"
         if final:
-            return f"{self.documents} documents, {mb:.1f} MB in {seconds:.1f} s ({rates})"
+            return f"{self.documents} {self.unit}, {mb:.1f} MB in {seconds:.1f} s ({rates})"
         eta = f"{(self.total - self.bytes) / rate:.0f} s" if rate > 0 else "?"
-        return (f"file {self.file + 1}/{self.files}: {self.documents} documents, {mb:.1f}/{self.total / 1e6:.1f} MB "
+        return (f"file {self.file + 1}/{self.files}: {self.documents} {self.unit}, {mb:.1f}/{self.total / 1e6:.1f} MB "
                 f"({100 * self.bytes / max(self.total, 1):.0f}%) in {seconds:.1f} s, {rates}, ETA {eta}")
 
 
@@ -103,29 +127,49 @@ def documents(results, progress: Progress, inputs: list[sources.Source]):
         raise ConfigError(f"no documents in {names}: empty, or only blank lines")
 
 
-def preprocess(inputs: list[sources.Source], prefix: str, tokenizer, spec: str, text_key: str,
-               workers: int) -> Progress:
+def conversations(results, progress: Progress, inputs: list[sources.Source]):
+    """--format sft: the (ids, mask) pairs in order (None: an empty record, which write_sft counts), counting the
+    conversations as it goes; an input without any is an error named by its files."""
+    for pairs, file, nbytes, text in results:
+        found = [pair for pair in pairs if pair is not None]
+        progress.update(file, len(found), sum(len(ids) for ids, _ in found), nbytes, text)
+        yield from pairs
+    if progress.documents == 0:
+        names = inputs[0].path if len(inputs) == 1 else f"{len(inputs)} files ({inputs[0].path}, ...)"
+        raise ConfigError(f"no conversations in {names}: empty, or only blank lines and empty records")
+
+
+def preprocess(inputs: list[sources.Source], prefix: str, tokenizer, spec: str, text_key: str | None,
+               workers: int, data_format: str = "text") -> Progress:
     """Encode `inputs` on `workers` processes (imap: results in input order) and write the dataset. The parent
-    reads (one ~1 MB chunk at a time, a Parquet row group at most) and writes; the workers decode and encode."""
+    reads (one ~1 MB chunk at a time, a Parquet row group at most) and writes; the workers decode and encode.
+    data_format sft: whole records (text_key None), conversations written with their loss masks."""
     global _tokenizer
-    tasks = sources.chunks(inputs, text_key)
+    sft = data_format == "sft"
+    tasks = sources.chunks(inputs, None if sft else text_key)
     with contextlib.ExitStack() as stack:
         # The pool starts before training.data.datasets imports torch and Megatron-Core (~10 s on 2 cores): forking
         # a process without torch's threads is safe and cheap, and spawn-started workers import only this
         # light module.
-        pool = stack.enter_context(multiprocessing.Pool(workers, init_worker, (spec,))) if workers > 1 else None
+        # (--format sft: transformers has imported torch already, in the parent's ChatTokenizer; no thread yet.)
+        pool = stack.enter_context(multiprocessing.Pool(workers, init_worker, (spec, data_format))) \
+            if workers > 1 else None
         write_indexed = import_write_indexed()
-        progress = Progress(inputs)  # starts after the imports, so the rates measure encoding and writing
-        if pool is None:
+        progress = Progress(inputs, unit="conversations" if sft else "documents")  # after the imports: the
+        if pool is None:                                                           # rates measure the work
             _tokenizer = tokenizer
-        results = pool.imap(encode_chunk, tasks) if pool else map(encode_chunk, tasks)
-        write_indexed(prefix, documents(results, progress, inputs), tokenizer)
+        work = encode_conversations if sft else encode_chunk
+        results = pool.imap(work, tasks) if pool else map(work, tasks)
+        if sft:
+            sft_write.write_sft(prefix, conversations(results, progress, inputs), tokenizer)
+        else:
+            write_indexed(prefix, documents(results, progress, inputs), tokenizer)
     return progress
 
 
 def import_write_indexed():
     """training.data.datasets.write_indexed, without Megatron-Core's import-time notices (TE/Apex fallbacks, rank
-    guesses, no CUDA runtime) that say nothing about writing a dataset."""
+    guesses, no CUDA runtime) that say nothing about writing a dataset (sft_write.write_sft imports the same)."""
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module=r"megatron\.")
@@ -140,7 +184,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--input", nargs="+", required=True,
                         help="files, globs (quote them) or `datasets` save_to_disk folders")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json")
-    parser.add_argument("--tokenizer", required=True, help="byte, or a tokenizer.json (or its directory)")
+    parser.add_argument("--tokenizer", required=True, help="byte, or a tokenizer.json (or its directory); "
+                        "--format sft: a Hugging Face tokenizer directory with a chat template")
+    parser.add_argument("--format", dest="data_format", choices=("text", "sft"), default="text",
+                        help="text: documents; sft: conversations with the loss on the answers (data.format=sft)")
     parser.add_argument("--text-key", "--json-key", dest="text_key", default="text",
                         help="the document: a .jsonl/.json field, a Parquet/Arrow column (--json-key: the old name)")
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (use the cores for big inputs)")
@@ -154,12 +201,22 @@ def run(argv: list[str]) -> int:
     if Path(args.output_prefix).suffix in (".bin", ".idx", ".json"):
         raise ConfigError(f"--output-prefix {args.output_prefix}: give the prefix, without "
                           f"{Path(args.output_prefix).suffix}")
-    tokenizer = build_tokenizer(args.tokenizer)  # in the parent first: a bad path fails before any work
-    inputs = sources.resolve(args.input, args.text_key)  # every input found and checked, before any work
+    sft = args.data_format == "sft"
+    tokenizer = load_tokenizer(args.tokenizer, args.data_format)  # in the parent first: fails before any work
+    inputs = sources.resolve(args.input, None if sft else args.text_key)  # every input found and checked first
     try:
-        progress = preprocess(inputs, args.output_prefix, tokenizer, args.tokenizer, args.text_key, args.workers)
+        progress = preprocess(inputs, args.output_prefix, tokenizer, args.tokenizer, args.text_key, args.workers,
+                              args.data_format)
     except OSError as err:  # an unreadable input, an unwritable output folder
         raise TemplateError(f"{err.filename}: {err.strerror}" if err.filename else str(err)) from err
+    if sft:
+        meta = json.loads(Path(f"{args.output_prefix}.json").read_text())
+        print(f"wrote {args.output_prefix}.bin/.idx/.json and {chat.mask_prefix(args.output_prefix)}.bin/.idx "
+              f"({meta['documents']} "
+              f"conversations, {meta['tokens']} tokens, {meta['answer_tokens']} answer tokens, {meta['dropped']} "
+              f"empty records skipped; tokenizer {tokenizer.name}, chat template {meta['chat_template']}) from "
+              f"{len(inputs)} file(s): {progress.line()}")
+        return 0
     print(f"wrote {args.output_prefix}.bin/.idx/.json ({progress.tokens} tokens, tokenizer {tokenizer.name}) "
           f"from {len(inputs)} file(s): {progress.line()}")
     return 0

@@ -32,18 +32,19 @@ def cache_dir(cfg: Config) -> Path:
 
 
 @contextlib.contextmanager
-def written_atomically(prefix: str | Path):
-    """Yields a temporary prefix to write PREFIX.bin/.idx/.json under; renamed to `prefix` when the block ends,
-    removed if it raises: a crash never leaves a half dataset and never litters the output folder."""
+def written_atomically(prefix: str | Path, suffixes: tuple[str, ...] = (".bin", ".idx", ".json")):
+    """Yields a temporary prefix to write PREFIX.bin/.idx/.json (or `suffixes`: conversations add .mask.bin/.idx,
+    training/data/sft_write.py) under; renamed to `prefix` in that order when the block ends, removed if it raises: a
+    crash never leaves a half dataset and never litters the output folder."""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = prefix.with_name(f"{prefix.name}.tmp{os.getpid()}")
     try:
         yield tmp
-        for suffix in (".bin", ".idx", ".json"):
+        for suffix in suffixes:
             os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
     except BaseException:
-        for suffix in (".bin", ".idx", ".json"):
+        for suffix in suffixes:
             Path(f"{tmp}{suffix}").unlink(missing_ok=True)
         raise
 
@@ -130,12 +131,12 @@ def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None, data_for
         meta = json.loads(meta_file.read_text())
     except ValueError as err:
         raise ConfigError(f"data.paths: {meta_file} is not valid JSON ({err})") from err
-    written = (meta.get("tokenizer"), meta.get("vocab_size"), meta.get("eod"))
     if meta.get("format", "text") != data_format:
         raise ConfigError(f"data.paths: {prefix} holds conversations (tools/preprocess_data.py --format sft): set "
                           f"data.format=sft" if data_format == "text" else
                           f"data.paths: {prefix} holds plain documents, not conversations: preprocess them with "
                           f"tools/preprocess_data.py --format sft, or set data.format=text")
+    written = (meta.get("tokenizer"), meta.get("vocab_size"), meta.get("eod"))
     if written != (tokenizer.name, tokenizer.vocab_size, tokenizer.eod):
         raise ConfigError(
             f"data.paths: {prefix} was written with tokenizer {written[0]} (vocab {written[1]}, eod "

@@ -2,7 +2,10 @@
 
     sources = resolve(["shards/*.parquet", "web.jsonl.zst"], text_key="text")  # all checked before any work
     for chunk in chunks(sources, "text"):  # in input order, read in the parent with bounded memory
-        texts(chunk)                       # its documents (str), decoded where the worker pool runs
+        decode.texts(chunk)                # its documents (str), decoded where the worker pool runs
+                                           # (training/data/decode.py)
+text_key=None reads whole records instead (--format sft: conversations): JSON lines, or Parquet/Arrow's "messages"
+column (else "prompt" and "completion", with "system" where there is one), decode.records(chunk) in the workers.
 
 What is read (the kind comes from the name; the first bytes must agree, else one line says what the file is):
   any name but those below      plain text, one document per line (blank lines skipped)
@@ -51,15 +54,15 @@ class Chunk(NamedTuple):
     path: str
     first: int       # the first item's line (text, jsonl) or row (parquet, arrow), from 1
     kind: str
-    text_key: str
-    items: list      # raw lines (bytes) for text and jsonl; str or None for parquet and arrow
+    text_key: str | None  # the document's field or column; None: whole records (--format sft)
+    items: list      # raw lines (bytes) for text and jsonl; str or None (a dict: records) for parquet and arrow
     disk_bytes: int  # input bytes on disk this chunk accounts for (a source's chunks sum to its size)
     text_bytes: int  # bytes of text: the (decompressed) lines, the strings' UTF-8
 
 
 # ------------------------------------------------------------------------------------ finding and checking
 
-def resolve(patterns: list[str], text_key: str) -> list[Source]:
+def resolve(patterns: list[str], text_key: str | None) -> list[Source]:
     """Every input: files in the order given, a glob's matches sorted, a save_to_disk folder as its files."""
     sources = []
     for pattern in patterns:
@@ -79,7 +82,7 @@ def resolve(patterns: list[str], text_key: str) -> list[Source]:
     return sources
 
 
-def file_source(path: str, text_key: str) -> Source:
+def file_source(path: str, text_key: str | None) -> Source:
     name = path.lower()
     compression = compressed.SUFFIXES.get(Path(name).suffix)
     inner = Path(name.removesuffix(Path(name).suffix) if compression else name).suffix
@@ -94,6 +97,9 @@ def file_source(path: str, text_key: str) -> Source:
                           f"{SUPPORTED}")
     if compression and kind in ("parquet", "arrow"):
         raise ConfigError(f"{path}: compressed {WHAT[kind]} (decompress it first); {SUPPORTED}")
+    if kind == "text" and text_key is None:
+        raise ConfigError(f"{path}: plain text holds no conversations: --format sft reads JSON lines (.jsonl: "
+                          f"\"messages\", or \"prompt\" and \"completion\"), Parquet, Arrow or a save_to_disk folder")
     if kind in ("parquet", "arrow"):
         _check_column(path, _schema(path, kind), text_key)
     return Source(path, kind, compression, os.path.getsize(path))
@@ -118,7 +124,7 @@ def _is_saved_dataset(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, f)) for f in ("state.json", "dataset_dict.json"))
 
 
-def saved_dataset(folder: str, text_key: str) -> list[Source]:
+def saved_dataset(folder: str, text_key: str | None) -> list[Source]:
     """A `datasets` save_to_disk folder: state.json's `_data_files` (Arrow IPC streams), in their order."""
     root = Path(folder)
     if (root / "dataset_dict.json").is_file():
@@ -180,9 +186,12 @@ def _open_arrow(pa, f):
     return pa.ipc.open_file(f) if magic == b"ARROW1" else pa.ipc.open_stream(f)
 
 
-def _check_column(path: str, schema, text_key: str) -> None:
+def _check_column(path: str, schema, text_key: str | None) -> None:
     import pyarrow as pa
 
+    if text_key is None:
+        record_columns(path, schema.names)
+        return
     columns = ", ".join(schema.names)
     if text_key not in schema.names:
         raise ConfigError(f"{path}: no column \"{text_key}\" (its columns: {columns}): choose one with --text-key")
@@ -192,9 +201,19 @@ def _check_column(path: str, schema, text_key: str) -> None:
                           f"--text-key (its columns: {columns})")
 
 
+def record_columns(path: str, names: list[str]) -> list[str]:
+    """The columns of a conversation (--format sft): "messages", else "prompt" and "completion" (and "system")."""
+    if "messages" in names:
+        return ["messages"]
+    if "prompt" in names and "completion" in names:
+        return ["prompt", "completion", *(["system"] if "system" in names else [])]
+    raise ConfigError(f"{path}: no \"messages\" column, nor \"prompt\" and \"completion\" (its columns: "
+                      f"{', '.join(names)}): --format sft reads conversations")
+
+
 # ---------------------------------------------------------------------------------------------- reading
 
-def chunks(sources: list[Source], text_key: str):
+def chunks(sources: list[Source], text_key: str | None):
     """Every source's Chunks in order; a file damaged past its first bytes is one line naming it."""
     for index, source in enumerate(sources):
         reader = _lines if source.kind in ("text", "jsonl") else _arrow_chunks
@@ -206,7 +225,7 @@ def chunks(sources: list[Source], text_key: str):
             raise _damaged(source.path, source.compression or source.kind, err) from None
 
 
-def _lines(index: int, source: Source, text_key: str):
+def _lines(index: int, source: Source, text_key: str | None):
     with open(source.path, "rb") as raw:
         lines, text, first, done = [], 0, 1, 0
         for number, line in enumerate(compressed.lines(raw, source.compression, source.path), 1):
@@ -219,9 +238,10 @@ def _lines(index: int, source: Source, text_key: str):
         yield Chunk(index, source.path, first, source.kind, text_key, lines, source.size - done, text)
 
 
-def _arrow_chunks(index: int, source: Source, text_key: str):
-    """The text column, ~CHUNK_BYTES of text a chunk: Parquet one record batch at a time (a batch sized from the
-    footer's bytes per row), Arrow one IPC batch at a time, so memory stays at a row group, not the file."""
+def _arrow_chunks(index: int, source: Source, text_key: str | None):
+    """The text column (or the record columns as dicts), ~CHUNK_BYTES of text a chunk: Parquet one record batch at
+    a time (a batch sized from the footer's bytes per row), Arrow one IPC batch at a time, so memory stays at a row
+    group, not the file."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -233,21 +253,25 @@ def _arrow_chunks(index: int, source: Source, text_key: str):
             rows = max(meta.num_rows, 1)
             per_row = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)) / rows
             batch = max(1, min(1 << 16, int(CHUNK_BYTES / max(per_row, 1))))  # all columns' bytes: an upper bound
-            arrays = (b.column(0) for b in parquet.iter_batches(batch_size=batch, columns=[text_key]))
+            columns = [text_key] if text_key is not None else record_columns(source.path, parquet.schema_arrow.names)
+            arrays = (b.column(0) if text_key is not None else b.to_struct_array()
+                      for b in parquet.iter_batches(batch_size=batch, columns=columns))
             position = lambda row: round(source.size * row / rows)  # noqa: E731 - the footer gives no offsets
         else:
             reader = _open_arrow(pa, f)
             batches = reader if hasattr(reader, "read_next_batch") else map(reader.get_batch,
                                                                                  range(reader.num_record_batches))
-            arrays = (b.column(text_key) for b in batches)
+            columns = [text_key] if text_key is not None else record_columns(source.path, reader.schema.names)
+            arrays = (b.column(text_key) if text_key is not None else b.select(columns).to_struct_array()
+                      for b in batches)
             position = lambda row: min(f.tell(), source.size)  # noqa: E731
         row = done = 0
         for array in arrays:
-            total = pc.sum(pc.binary_length(array)).as_py() or 0
+            total = _text_bytes(pc, array)
             step = math.ceil(len(array) / max(1, round(total / CHUNK_BYTES)))  # slices of ~CHUNK_BYTES
             for start in range(0, len(array), max(step, 1)):
                 part = array.slice(start, step)
-                text = pc.sum(pc.binary_length(part)).as_py() or 0
+                text = _text_bytes(pc, part)
                 at = position(row + start + len(part))
                 yield Chunk(index, source.path, row + start + 1, source.kind, text_key, part.to_pylist(),
                             at - done, text)
@@ -256,34 +280,7 @@ def _arrow_chunks(index: int, source: Source, text_key: str):
         yield Chunk(index, source.path, row + 1, source.kind, text_key, [], source.size - done, 0)
 
 
-# --------------------------------------------------------------------------------- decoding (in workers)
 
-def texts(chunk: Chunk) -> list[str]:
-    """The chunk's documents: blank lines and empty or null documents skipped."""
-    if chunk.kind in ("parquet", "arrow"):
-        return [t for t in chunk.items if t]
-    found = (line_text(chunk.path, n, line, chunk.kind == "jsonl", chunk.text_key)
-             for n, line in enumerate(chunk.items, chunk.first))
-    return [t for t in found if t]
-
-
-def line_text(file: str, number: int, line: bytes, is_json: bool, text_key: str) -> str | None:
-    """One input line -> its document text, or None for a blank line."""
-    try:
-        text = line.decode("utf-8").removesuffix("\n").removesuffix("\r")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{file}:{number}: not UTF-8 text (byte {err.start} of the line)") from None
-    if not text.strip():
-        return None
-    if not is_json:
-        return text
-    try:
-        record = json.loads(text)
-    except ValueError as err:
-        raise ConfigError(f"{file}:{number}: not valid JSON ({err})") from None
-    if not isinstance(record, dict) or text_key not in record:
-        raise ConfigError(f"{file}:{number}: no \"{text_key}\" key (choose the field with --text-key)")
-    if not isinstance(record[text_key], str):
-        raise ConfigError(f"{file}:{number}: \"{text_key}\" is a {type(record[text_key]).__name__}, "
-                          f"not a string")
-    return record[text_key]
+def _text_bytes(pc, array) -> int:
+    """A string array's bytes of text; a record array's (--format sft) bytes in Arrow buffers."""
+    return array.nbytes if array.type.num_fields else pc.sum(pc.binary_length(array)).as_py() or 0

@@ -1,0 +1,166 @@
+"""Conversations -> token ids and a loss mask, with the model's own chat template (tools/preprocess_data.py --format
+sft; the training side, packing and loss: training/data/sft.py).
+
+    tokenizer = ChatTokenizer("checkpoints/llama3-hf")   # a Hugging Face tokenizer directory, offline
+    messages = conversation({"prompt": "2+2?", "completion": "4"}, "chats.jsonl", 1)   # [user, assistant]
+    ids, mask = encode(tokenizer, messages)    # [n] token ids, [n] uint8: 1 on the assistant's tokens
+    # writing them: training/data/sft_write.py (PREFIX.bin/.idx, PREFIX.mask.bin/.idx, PREFIX.json)
+
+A record is {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]} or {"prompt": str,
+"completion": str} (with an optional "system": str, its system message). The ids are the template's rendering of
+the whole conversation, tokenized once (add_special_tokens=False: the template writes its own BOS), exactly
+tokenizer.apply_chat_template(messages). The mask comes from renderings, not from guessing the template's markup:
+assistant turn i's answer is the text between the rendering of messages[:i] with the generation prompt and that
+of messages[:i + 1] (its content and end-of-turn, e.g. `<|eot_id|>`, or `<|im_end|>` and a newline), and a token
+is a target when its first character lies in an answer. A template whose renderings are not prefixes of each other
+(one that rewrites earlier turns) is refused, naming the record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from training.config.paths import MASK_SUFFIX  # ".mask": PREFIX.mask.bin/.idx, the loss mask beside PREFIX.bin/.idx
+from training.data.tokenizer import HFTokenizer
+from training.errors import ConfigError
+
+ROLES = ("system", "user", "assistant")  # what every chat template renders (tool calls: not supported)
+PROBE = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "Fine, thanks."}]
+
+
+def mask_prefix(prefix: str | Path) -> str:
+    """The indexed dataset of the loss mask of the conversations at `prefix`."""
+    return f"{prefix}{MASK_SUFFIX}"
+
+
+class ChatTokenizer:
+    """A Hugging Face tokenizer directory with a chat template. name, vocab_size, eod and the ids are those of
+    training.data.tokenizer.HFTokenizer on the same tokenizer.json (what training checks PREFIX.json against);
+    transformers renders the template (render)."""
+
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise ConfigError(f"tokenizer {path}: " + ("a bare tokenizer file has no chat template" if
+                              os.path.exists(path) else "no such directory") + ": --format sft needs the tokenizer's "
+                              "directory (tokenizer.json, tokenizer_config.json, chat_template.jinja) as a Hugging "
+                              "Face chat model ships it")
+        base = HFTokenizer(path)  # checks tokenizer.json; gives the name training checks
+        self.name, self.vocab_size, self.eod = base.name, base.vocab_size, base.eod
+        try:
+            from tokenizers import Tokenizer
+            from transformers import AutoTokenizer
+        except ImportError as err:
+            raise ConfigError(f"tokenizer {path}: --format sft needs `transformers`: pip install -e '.[hf]'") from err
+        self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))  # what HFTokenizer encodes with
+        try:
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as err:  # noqa: BLE001 - OSError, ValueError, whatever a broken config raises
+            raise ConfigError(f"tokenizer {path}: transformers cannot load it ({_reason(err)})") from err
+        template = self.hf.chat_template
+        if not template:
+            raise ConfigError(f"tokenizer {path}: no chat template (no chat_template.jinja, no chat_template in "
+                              f"tokenizer_config.json): give the tokenizer directory of a chat (instruct) model")
+        text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)  # named templates
+        self.template_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
+        ours, theirs = self.tokenize(self.render(PROBE, where=f"tokenizer {path}"))[0], self.reference(PROBE)
+        if ours.tolist() != theirs:
+            raise ConfigError(f"tokenizer {path}: transformers tokenizes differently from its tokenizer.json "
+                              f"({theirs[:8]}... vs {ours[:8].tolist()}...): a slow or customised tokenizer class")
+
+    def render(self, messages: list[dict], generation_prompt: bool = False, where: str = "a conversation") -> str:
+        """The template's text of `messages` (with the assistant's header after them when generation_prompt)."""
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as err:  # noqa: BLE001 - jinja's errors, and raise_exception() in a template
+            raise ConfigError(f"{where}: the chat template refuses this conversation ({_reason(err)})") from err
+
+    def tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids [n], start character of each token [n]) of `text`, as HFTokenizer(dir).encode(text)."""
+        found = self._tok.encode(text, add_special_tokens=False)
+        dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.int32  # half the bytes to pickle from a worker
+        return (np.asarray(found.ids, dtype=dtype),
+                np.asarray([start for start, _ in found.offsets], dtype=np.int64).reshape(-1))
+
+    def reference(self, messages: list[dict]) -> list[int]:
+        """transformers' own ids of the conversation: apply_chat_template(messages, tokenize=True)."""
+        found = self.hf.apply_chat_template(messages, tokenize=True)
+        return list(found["input_ids"] if hasattr(found, "keys") else found)  # 5.x: a BatchEncoding; 4.x: a list
+
+
+def conversation(record, file: str, line: int) -> list[dict] | None:
+    """A record (a JSON line's object, a Parquet/Arrow row's dict) -> [{"role", "content"}, ...]; None for an empty
+    record (null or [] messages, null prompt and completion: skipped and counted as dropped); a one-line error
+    naming file:line for anything else that is not a conversation with an answer."""
+    where = f"{file}:{line}"
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: a {type(record).__name__}, not a JSON object with \"messages\" (or \"prompt\" "
+                          f"and \"completion\")")
+    if record.get("messages") is not None:
+        turns = record["messages"]
+        if not isinstance(turns, list):
+            raise ConfigError(f"{where}: \"messages\" is a {type(turns).__name__}, not a list of "
+                              f"{{\"role\", \"content\"}} objects")
+    elif "prompt" in record or "completion" in record:
+        if record.get("prompt") is None and record.get("completion") is None:
+            return None
+        system = [] if record.get("system") is None else [{"role": "system", "content": record["system"]}]
+        turns = system + [{"role": "user", "content": record.get("prompt")},
+                          {"role": "assistant", "content": record.get("completion")}]
+    elif "messages" not in record:
+        raise ConfigError(f"{where}: no \"messages\", nor \"prompt\" and \"completion\" (its keys: "
+                          f"{', '.join(map(str, record)) or 'none'})")
+    else:
+        return None
+    if not turns:
+        return None
+    messages = [_message(turn, k, where) for k, turn in enumerate(turns)]
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        raise ConfigError(f"{where}: no assistant turn (roles: {', '.join(roles)}): nothing to learn from")
+    if roles[0] == "assistant":
+        raise ConfigError(f"{where}: starts with the assistant: a chat template renders a prompt before an answer; "
+                          f"begin with a user (or system) message")
+    return messages
+
+
+def _message(turn, k: int, where: str) -> dict:
+    if not isinstance(turn, dict):
+        raise ConfigError(f"{where}: message {k} is a {type(turn).__name__}, not a {{\"role\", \"content\"}} object")
+    role, content = turn.get("role"), turn.get("content")
+    if role not in ROLES:
+        raise ConfigError(f"{where}: message {k} has role {role!r}: use {', '.join(ROLES)}")
+    if not isinstance(content, str):
+        raise ConfigError(f"{where}: message {k} ({role}) has content of type {type(content).__name__}, not a string")
+    return {"role": role, "content": content}
+
+
+def encode(tokenizer: ChatTokenizer, messages: list[dict], where: str = "a conversation") -> tuple[np.ndarray,
+                                                                                                     np.ndarray]:
+    """(token ids [n], loss mask [n] uint8) of a conversation: 1 on every token whose first character lies in an
+    assistant turn's answer (its content and end-of-turn text), found by rendering (the module docstring)."""
+    full = tokenizer.render(messages, where=where)
+    answers = []  # [(start, end)] character spans of the answers in `full`
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.render(messages[:i], generation_prompt=True, where=where)
+        through = tokenizer.render(messages[:i + 1], where=where)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ConfigError(f"{where}: the chat template is not prefix-stable (rendering the conversation up to "
+                              f"assistant turn {i} does not begin the longer rendering: it rewrites earlier turns), "
+                              f"so the answers cannot be located; use a template that renders turns in order")
+        answers.append((len(before), len(through)))
+    ids, starts = tokenizer.tokenize(full)  # [n] each
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for start, end in answers:
+        mask[(starts >= start) & (starts < end)] = 1
+    return ids, mask
+
+
+def _reason(err: Exception) -> str:
+    return (str(err) or type(err).__name__).splitlines()[0]
