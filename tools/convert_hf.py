@@ -15,7 +15,10 @@ model.seq_length=1024 trains shorter sequences than max_position_embeddings; tra
 weights: half the disk, not less memory, and a looser check).
 export: loads a template checkpoint (saved at any layout: dist_checkpointing reshards) in one process and
 writes config.json (LlamaConfig, derived from its run.json) + model.safetensors (shards above --max-shard-gb)
-that transformers.AutoModelForCausalLM.from_pretrained loads; --tokenizer-dir copies the tokenizer along.
+that transformers.AutoModelForCausalLM.from_pretrained loads, and the tokenizer files with their chat template
+(tokenizer.json, tokenizer_config.json, chat_template.jinja, ...; config.json's bos/eos/pad ids) from
+--tokenizer-dir, or else from the run's data.tokenizer when that is a directory, so the exported model's
+AutoTokenizer renders conversations as the fine-tuned one was trained on.
 --check (both): run our model and transformers' on the same token ids, print the max |logit diff| and the same
 relative to max |logit|; exit 1 when the relative one exceeds --tolerance (fp32 1e-4, bf16 5e-2).
 
@@ -40,8 +43,10 @@ from training.errors import TemplateError, exit_on_error
 from training.shims.noise import quiet_known_noise
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+# What transformers' save_pretrained writes for a tokenizer (and its chat templates), and generation defaults
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "additional_chat_templates", "generation_config.json")
 
 def fixed_by_config_json() -> tuple[str, ...]:
     """The model.* fields config.json fixes (the shape's "weights" and "numerics" fields, models/shape.py);
@@ -135,6 +140,25 @@ def do_import(args, overrides: list[str]) -> bool:
                                        cfg.train.precision, args.tolerance)
 
 
+def tokenizer_source(given: str | None, run_tokenizer: str) -> Path | None:
+    """Where export copies the tokenizer from: --tokenizer-dir, else the run's data.tokenizer if a directory."""
+    if given:
+        if not Path(given).is_dir():
+            raise TemplateError(f"--tokenizer-dir {given} is not a directory (give the tokenizer's directory, e.g. "
+                                f"the Hugging Face model the run was imported from)")
+        return Path(given)
+    return Path(run_tokenizer) if run_tokenizer != "byte" and Path(run_tokenizer).is_dir() else None
+
+
+def copy_file(source: Path, target: Path) -> bool:
+    """A tokenizer file or folder (additional_chat_templates/) into the export; False when there is none."""
+    if source.is_dir():
+        shutil.copytree(source, target)
+    elif source.is_file():
+        shutil.copy(source, target)
+    return source.exists()
+
+
 def do_export(args) -> bool:
     from models.shape import ModelShape
     from training import checkpoint
@@ -150,7 +174,8 @@ def do_export(args) -> bool:
     cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = None, str(path), True  # weights only
     shape = ModelShape.of(cfg.model, run["vocab_size"])
     config = hf_config.hf_config(shape, cfg.model, cfg.train.precision)
-    source = Path(args.tokenizer_dir) / "config.json" if args.tokenizer_dir else None
+    tokenizer_dir = tokenizer_source(args.tokenizer_dir, cfg.data.tokenizer)
+    source = tokenizer_dir / "config.json" if tokenizer_dir else None
     if source is not None and source.is_file():  # the tokenizer's special token ids
         for key, value in json.loads(source.read_text()).items():
             if key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -162,12 +187,10 @@ def do_export(args) -> bool:
         checkpoint.maybe_load(cfg, state)
         config.save_pretrained(str(out))
         size = hf.write_safetensors(hf.hf_tensors(state), out, int(args.max_shard_gb * 2**30))
-        for name in TOKENIZER_FILES if args.tokenizer_dir else ():
-            if (Path(args.tokenizer_dir) / name).is_file():
-                shutil.copy(Path(args.tokenizer_dir) / name, out / name)
+        copied = [name for name in TOKENIZER_FILES if tokenizer_dir and copy_file(tokenizer_dir / name, out / name)]
         print(f"exported {path} (saved at tp/pp {run['layout']['tp']}/{run['layout']['pp']}, iteration "
-              f"{run['iteration']}) to {out}: {size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s",
-              flush=True)
+              f"{run['iteration']}) to {out}: {size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s"
+              + (f"; tokenizer files from {tokenizer_dir}: {', '.join(copied)}" if copied else ""), flush=True)
         return not args.check or check(state, run["vocab_size"], cfg.model.seq_length, out, cfg.train.precision,
                                        args.tolerance)
 
@@ -185,8 +208,9 @@ def parse(argv: list[str]):
     exp.add_argument("--ckpt", required=True, help="a checkpoint directory (with `latest`) or an iter_* directory")
     exp.add_argument("--out", required=True, help="directory to create (from_pretrained(...))")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (Hub's default)")
-    exp.add_argument("--tokenizer-dir", help="copy tokenizer files (and config.json's bos/eos/pad ids) from here, "
-                                             "e.g. the imported HF directory")
+    exp.add_argument("--tokenizer-dir", help="copy the tokenizer files and chat template (and config.json's "
+                                             "bos/eos/pad ids) from here, e.g. the imported HF directory; default: "
+                                             "the run's data.tokenizer when it is a directory")
     for p in (imp, exp):
         p.add_argument("--check", action="store_true", help="compare logits with transformers' (exit 1 if off)")
         p.add_argument("--tolerance", type=float, help="max relative logits diff (fp32 1e-4, bf16 5e-2)")

@@ -38,6 +38,24 @@ def mask_prefix(prefix: str | Path) -> str:
     return f"{prefix}{MASK_SUFFIX}"
 
 
+def hf_chat_tokenizer(directory: str | Path, hint: str):
+    """transformers' tokenizer of a local directory (no network) that has a chat template; one line ending with
+    `hint` when transformers is missing, cannot load it, or there is no template (tools/generate.py --chat too)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as err:
+        raise ConfigError(f"tokenizer {directory}: chat templates are rendered by transformers: pip install -e "
+                          f"'.[hf]'") from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - OSError, ValueError, whatever a broken config raises
+        raise ConfigError(f"tokenizer {directory}: transformers cannot load it ({_reason(err)}): {hint}") from err
+    if not tokenizer.chat_template:
+        raise ConfigError(f"tokenizer {directory}: no chat template (no chat_template.jinja, no chat_template in "
+                          f"tokenizer_config.json): {hint}")
+    return tokenizer
+
+
 class ChatTokenizer:
     """A Hugging Face tokenizer directory with a chat template. name, vocab_size, eod and the ids are those of
     training.data.tokenizer.HFTokenizer on the same tokenizer.json (what training checks PREFIX.json against);
@@ -51,20 +69,11 @@ class ChatTokenizer:
                               "Face chat model ships it")
         base = HFTokenizer(path)  # checks tokenizer.json; gives the name training checks
         self.name, self.vocab_size, self.eod = base.name, base.vocab_size, base.eod
-        try:
-            from tokenizers import Tokenizer
-            from transformers import AutoTokenizer
-        except ImportError as err:
-            raise ConfigError(f"tokenizer {path}: --format sft needs `transformers`: pip install -e '.[hf]'") from err
+        from tokenizers import Tokenizer
+
+        self.hf = hf_chat_tokenizer(path, "give the tokenizer directory of a chat (instruct) model")
         self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))  # what HFTokenizer encodes with
-        try:
-            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as err:  # noqa: BLE001 - OSError, ValueError, whatever a broken config raises
-            raise ConfigError(f"tokenizer {path}: transformers cannot load it ({_reason(err)})") from err
         template = self.hf.chat_template
-        if not template:
-            raise ConfigError(f"tokenizer {path}: no chat template (no chat_template.jinja, no chat_template in "
-                              f"tokenizer_config.json): give the tokenizer directory of a chat (instruct) model")
         text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)  # named templates
         self.template_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
         ours, theirs = self.tokenize(self.render(PROBE, where=f"tokenizer {path}"))[0], self.reference(PROBE)

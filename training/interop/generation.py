@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,10 +151,12 @@ def _share(tokens: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
-def generate(state: TrainState, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eod: int,
-             device: torch.device, use_cache: bool = True, on_step=None) -> list[list[int]]:
-    """New token ids per prompt (up to and including end-of-document, or max_new_tokens). Every rank calls it
-    and gets the same ids. on_step(step, new_ids [b]) is called on every rank after each token."""
+def generate(state: TrainState, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+             eod: int | Sequence[int], device: torch.device, use_cache: bool = True, on_step=None) -> list[list[int]]:
+    """New token ids per prompt (up to and including the first stop id, or max_new_tokens). eod: the id, or the
+    ids, that end a sequence (end-of-document; with a chat template also the end of the assistant's turn).
+    Every rank calls it and gets the same ids. on_step(step, new_ids [b]) is called on every rank after each
+    token."""
     batch, longest = len(prompts), max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
         raise ConfigError("an empty prompt: give every prompt at least one token")
@@ -165,6 +168,7 @@ def generate(state: TrainState, prompts: list[list[int]], max_new_tokens: int, s
     tokens = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)  # [b, T] left-padded
     generator = torch.Generator().manual_seed(sampling.seed)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
+    stops = torch.tensor([eod] if isinstance(eod, int) else sorted(set(eod)), dtype=torch.long, device=device)
     new_ids: list[list[int]] = [[] for _ in prompts]
     cache = KVCache(total, pad)
     step_input = tokens
@@ -180,7 +184,7 @@ def generate(state: TrainState, prompts: list[list[int]], max_new_tokens: int, s
                 new_ids[i].append(int(picked[i]))
         if on_step is not None:
             on_step(step, picked)
-        done |= picked == eod
+        done |= torch.isin(picked, stops)
         if bool(done.all()):
             break
         tokens = torch.cat([tokens, picked[:, None]], dim=1)  # [b, T + step + 1]
