@@ -127,11 +127,12 @@ class PackedConversations(torch.utils.data.Dataset):
 
     def describe(self) -> str:
         filled = sum(int(self.positions[c].sum()) for c in self.samples)
-        cut = f"{self.truncated} truncated to {self.seq + 1} tokens" if self.truncated else "none truncated"
-        return (f"{len(self.kept)} conversations ({cut}, {self.dropped} left out: longer than {self.seq + 1} tokens "
-                f"with data.overlong=drop, or under 2) packed into {len(self.samples)} sequences of {self.seq} over "
-                f"{self.epochs} epoch(s), {100 * filled / max(len(self.samples) * self.seq, 1):.1f}% of positions "
-                f"filled")
+        cut = f"{self.truncated} cut to {self.seq + 1} tokens" if self.truncated else "none cut"
+        out = f"{self.dropped} left out (over {self.seq + 1} tokens with data.overlong=drop, or under 2)" \
+            if self.dropped else "none left out"
+        return (f"{len(self.kept)} conversations ({cut}, {out}) packed into {len(self.samples)} sequences of "
+                f"{self.seq} over {self.epochs} epoch(s), {100 * filled / max(len(self.samples) * self.seq, 1):.1f}% "
+                f"of positions filled")
 
 
 def check(prefix: str, tokenizer, vocab_size: int) -> None:
