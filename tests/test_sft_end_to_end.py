@@ -5,7 +5,7 @@ tools/preprocess_data.py --format sft -> fine-tuning at DP 2 (data.format=sft) -
 The conversations ask for the colour of one of ten things; the answer is a fixed sentence with it. The answer loss
 must fall, the log line shows answer tokens/s, and greedy generation with the chat template must answer in the
 template's format: the learnt sentence (a thing and its colour), ended by the end-of-turn token (not by the token
-limit).
+limit); tools/evaluate.py on the checkpoint gives the logged validation loss (the same packed sequences).
 """
 
 import contextlib
@@ -76,10 +76,11 @@ def _import_and_preprocess(root: str) -> dict:
     return {"preprocess": out}
 
 
-def _generate(root: str) -> tuple[int, str]:
-    return tool("generate", ["--ckpt", f"{root}/run/checkpoints", "--chat", "--greedy", "--json",
+def _generate_and_evaluate(root: str) -> tuple[tuple[int, str], tuple[int, str]]:
+    chat = tool("generate", ["--ckpt", f"{root}/run/checkpoints", "--chat", "--greedy", "--json",
                              "--max-new-tokens", "40", "--prompt", "What colour is the grass?",
                              "--prompt", "Tell me the colour of the coal."])
+    return chat, tool("evaluate", ["--ckpt", f"{root}/run/checkpoints", "--json"])
 
 
 @pytest.mark.slow
@@ -99,8 +100,10 @@ def test_fine_tune_an_imported_model_on_conversations_then_chat(tmp_path):
     assert last < 0.1 * first, f"the answer loss did not fall: {curve}"
     records = [json.loads(line) for line in (Path(root) / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["answer_tokens_per_s"] > 0 for r in records if "loss" in r)
-    ((code, out),) = run_distributed(_generate, 1, (root,), timeout=600)
-    assert code == 0, out
+    (((code, out), (evaluated, scores)),) = run_distributed(_generate_and_evaluate, 1, (root,), timeout=600)
+    assert code == 0 and evaluated == 0, out + scores
+    (val_loss,) = [r["val_loss"] for r in records if "val_loss" in r]  # the packed validation split, at DP 2
+    assert json.loads(scores.strip().splitlines()[-1])["loss"] == pytest.approx(val_loss, rel=1e-5)
     answers = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     said = [re.fullmatch(r"The (\w+) is (\w+)\.", a["text"]) for a in answers]  # the learnt sentence, whole
     assert len(answers) == 2 and all(m and COLOURS.get(m[1]) == m[2] for m in said), answers
