@@ -163,9 +163,14 @@ STEP = ["model=tiny", "model.num_layers=2", "model.vocab_size=256", "model.fused
         "checkpoint=none", "train.tensorboard=false"]
 
 
+# packed conversations (data.format=sft) at a longer sequence, where their [b, 1, s, s] mask is ~16% of the total
+SFT = ["model.recompute=none", "data.format=sft", "data.paths=[unused]", "model.seq_length=1024"]
+
+
 def _whole_step(recomputes: list[str]) -> dict:
-    """Per model.recompute: (bytes the forward passes of one micro-batch saved in a real train_step, measured by
-    training/bench/measure.py as tools/bench.py --detail does; the estimate's bytes for them)."""
+    """Per model.recompute (or "sft": packed conversations): (bytes the forward passes of one micro-batch saved in
+    a real train_step, measured by training/bench/measure.py as tools/bench.py --detail does; the estimate's
+    bytes for them)."""
     from models.shape import ModelShape
     from training.bench import benchmark as bm
     from training.bench.measure import SavedActivations, activation_estimate
@@ -177,10 +182,14 @@ def _whole_step(recomputes: list[str]) -> dict:
     out = {}
     with D.distributed(timeout_minutes=2) as info:
         for recompute in recomputes:
-            cfg = compose([*STEP, f"model.recompute={recompute}"])
+            cfg = compose([*STEP, *(SFT if recompute == "sft" else [f"model.recompute={recompute}"])])
             layout = validate(cfg)
             state = build(cfg, ModelShape.of(cfg.model), info.device)
-            streams = bm.batch_streams(state, bm.synthetic_batch(cfg, 256), cfg)
+            batch, s = bm.synthetic_batch(cfg, 256), cfg.model.seq_length
+            for sample in batch if recompute == "sft" else ():  # two conversations a sequence, positions from 0
+                sample["position_ids"] = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)])  # [s]
+                sample["segment_ids"] = (torch.arange(s) >= s // 2).long() + 1  # [s]: 1 then 2
+            streams = bm.batch_streams(state, batch, cfg)
             saved = SavedActivations(state)
             train_step(state, streams(), layout, cfg, info.device, step=saved.forward_step(forward_step))
             out[recompute] = (saved.peak, activation_estimate(cfg, state.shape, layout, info.device))
@@ -190,10 +199,11 @@ def _whole_step(recomputes: list[str]) -> dict:
 def test_bench_counts_what_the_forward_saves_with_recomputation():
     """tools/bench.py --detail's activations per micro-batch (training/bench/measure.py) at every model.recompute,
     within 10% of the estimate: recomputation in backward saves again what the forward dropped, which must not
-    count (it did: selective and full read 0.02-0.66 of the estimate, varying run to run)."""
+    count (it did: selective and full read 0.02-0.66 of the estimate, varying run to run); and with packed
+    conversations, whose block-diagonal mask each micro-batch keeps."""
     from harness import run_distributed
 
-    (r,) = run_distributed(_whole_step, world_size=1, args=(["none", "selective", "full"],), timeout=180)
+    (r,) = run_distributed(_whole_step, world_size=1, args=(["none", "selective", "full", "sft"],), timeout=300)
     for recompute, (measured, declared) in r.items():
         assert measured > 0 and abs(declared - measured) <= TOLERANCE * measured, \
             f"{recompute}: estimate {declared:,.0f} bytes, measured {measured:,} ({declared / measured - 1:+.1%})"

@@ -25,7 +25,8 @@ its experts' tensors for each. The first pipeline stage holds pp micro-batches i
 (1 + (pp-1)/(pp*vpp)) when interleaved; full recomputation keeps each layer's input, plus the largest layer's
 activations while backward recomputes it. Context parallelism (cp) divides every sequence-long tensor by cp;
 the attention keeps the full-length K and V it gathers (models/context_parallel.py), and the stage one [s/cp, s]
-additive causal mask in the activations' dtype, which every layer's attention kernel keeps (the same tensor);
+additive causal mask in the activations' dtype, which every layer's attention kernel keeps (the same tensor; so
+does a micro-batch of packed conversations, data.format=sft, its [b, 1, s, s] block-diagonal one);
 the distributed optimizer shards over DP x CP. Minimal TP (parallel.tp_blocks): a sub-block that tp leaves
 whole counts its parameters and activations as at tp 1 on every TP rank (models/shape.py's Split.of), the
 vocabulary's logits too when it is whole.
@@ -146,6 +147,8 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
         out += max(_layer_bytes(shape, split, replace(act, recompute="none"), n) for n in numbers)
     if lay.cp > 1:  # the causal mask of context-parallel attention, [s/cp, s] additive, shared by the layers
         out += act.bytes * act.seq * shape.seq_length
+    if str(cfg.data.format) == "sft":  # packed conversations: each micro-batch in flight keeps its [b, 1, s, s]
+        out += act.bytes * act.micro_batch * act.seq ** 2 * in_flight / len(numbers)  # additive mask
     if stage == lay.pp - 1:  # final norm and output-layer inputs; cross entropy's fp32 softmax over the vocabulary
         e = 2 if cfg.train.precision == "bf16" else 4
         s, b = shape.seq_length // lay.cp, cfg.train.micro_batch_size
