@@ -5,6 +5,7 @@ optionally side by side with Megatron-Core's own GPTModel at the same config, la
     python tools/bench.py --compare-mcore --json            # ours vs Megatron-Core: {"ours_s", "mcore_s", "ratio", ...}
     python tools/bench.py --compare-hf --breakdown          # ours vs transformers' Llama + plain AdamW, by phase
     python tools/bench.py --compare                         # ours vs transformers' and torchtitan's Llama, A B C
+    python tools/bench.py --compare --compile               # the same with every side's layers torch.compile'd
     python tools/bench.py --layouts tp1,tp2,dp2,pp2         # one table row per layout (memory, comm share)
     python tools/bench.py --breakdown                       # + where a step's time goes (loop overhead share)
     python tools/bench.py --nproc 2 parallel.tp=2           # spawn 2 processes (gloo on CPU, NCCL on GPUs)
@@ -30,7 +31,9 @@ With --compare-hf the other side is transformers' LlamaForCausalLM with our weig
 step (training/bench/bench_hf.py), one process, fp32. --compare adds torchtitan 0.3.0's Llama3Model beside it
 (training/bench/bench_titan.py: our weights through its own Llama3StateDictAdapter.from_hf; an optional
 extra, `pip install --no-deps -c constraints.txt torchtitan==0.3.0 && pip install -e ".[bench]"`), the three
-rotating A B C, B C A, ... in each window, and reports both ratios.
+rotating A B C, B C A, ... in each window, and reports both ratios. --compile compiles each transformer layer of
+every side (torch.compile per block, as torchtitan's own --compile does; ours through model.compile); the warm-up
+steps pay the compiles.
 
 The vocabulary: our GPT masks padded vocabulary logits to -inf, Megatron-Core's (and HF's) does not. In a comparison
 both models get the padded size as their real vocabulary (257 bytes -> 384), so neither masks and both
@@ -61,6 +64,8 @@ def parse_args(argv=None):
                         help="also time transformers' LlamaForCausalLM with plain AdamW, A B A B (one process, fp32)")
     versus.add_argument("--compare", action="store_true",
                         help="also time transformers' and torchtitan's Llama (needs the bench extra), A B C")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each transformer layer on every side "
+                    "(ours: model.compile=true; transformers' and torchtitan's decoder layers alike)")
     ap.add_argument("--te", action="store_true", help="Megatron-Core side: Transformer Engine spec (needs TE)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per model first (allocator, caches)")

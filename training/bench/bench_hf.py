@@ -83,6 +83,17 @@ def plain_side(model: torch.nn.Module, cfg: Config, logits: Callable) -> PlainSi
     return PlainSide(model, optimizer, scheduler, cfg, logits)
 
 
+def compile_layers(side: PlainSide) -> int:
+    """tools/bench.py --compile: torch.compile each decoder layer in place, as torchtitan's own compile option does
+    per block (and model.compile ours). transformers' layers are LlamaForCausalLM.model.layers, torchtitan's
+    Llama3Model.layers (a ModuleDict or ModuleList). Returns the number of layers."""
+    layers = getattr(side.model, "model", side.model).layers
+    blocks = list(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers)
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def micro_batches(batch: list[dict], micro_batch_size: int, device: torch.device) -> list[tuple]:
     """(tokens [b, s], labels [b, s], loss mask [b, s]) per micro-batch, in our streams' order."""
     out = []

@@ -140,6 +140,9 @@ def compare_plain(b: Bench) -> dict:
     sides = {"hf": bench_hf.build_hf(b.ours, b.cfg, b.device, flag)}
     if args.compare:
         sides["titan"] = bench_titan.build_titan(b.ours, b.cfg, b.device)
+    if args.compile:  # as model.compile does ours: each decoder layer
+        for side in sides.values():
+            bench_hf.compile_layers(side)
     micro = bench_hf.micro_batches(b.batch, b.cfg.train.micro_batch_size, b.device)
     out, timers = {"loss_ours": loss_ours}, {}
     for name, side in sides.items():
@@ -180,10 +183,14 @@ def measure(args) -> dict:
     from training.config.compose import compose
     from training.config.validate import validate
     from training.engine.metrics import memory_gb, peak_tflops
+    from training.errors import ConfigError
     from training.estimate.memory import estimate
     from training.parallel import dist as D
 
-    cfg = compose(args.overrides)
+    if args.compile and args.compare_mcore:
+        raise ConfigError("--compile compiles our layers and the plain PyTorch models' (--compare, --compare-hf), "
+                          "not Megatron-Core's GPTModel: drop --compile or --compare-mcore")
+    cfg = compose(list(args.overrides) + (["model.compile=true"] if args.compile else []))
     layout = validate(cfg)
     with D.distributed(**D.layout_of(cfg)) as info:
         b = _build(args, cfg, layout, info.device)

@@ -15,6 +15,7 @@ with the metrics' keys, and every dataset split has documents.
 from __future__ import annotations
 
 import os
+import shutil
 from importlib.util import find_spec
 
 from models.shape import ModelShape
@@ -69,6 +70,9 @@ def model_problems(cfg: Config, shape: ModelShape) -> list[str]:
                    f"below model.num_layers={m.num_layers}")
     if m.make_vocab_size_divisible_by < 1:
         out.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
+    if m.compile and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+        out.append("model.compile=true: torch.compile's inductor builds its kernels with a C/C++ compiler and none "
+                   "is on PATH (CXX, g++, clang++): install g++ (apt-get install g++) or set model.compile=false")
     return out
 
 

@@ -10,6 +10,7 @@ stage, Float16Module for bf16, DDP per chunk (bucketing only on the first chunk)
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +22,11 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.gpt import GPT
+from models.layer import TransformerLayer
 from models.shape import ModelShape
 from training.config.schema import Config
 from training.engine import bridge, init
+from training.parallel import dist as D
 from training.parallel.wrap import wrap
 from training.shims import upstream_fixes
 
@@ -67,6 +70,19 @@ def _one_or_list(hooks: list):
     return hooks[0] if len(hooks) == 1 else hooks
 
 
+def compile_layers(chunks: list[torch.nn.Module]) -> int:
+    """model.compile: torch.compile each transformer layer in place (`Module.compile`: the same module, names and
+    checkpoint keys), as torchtitan compiles per block: the layers repeat, so one compiled graph serves them all;
+    embedding, loss and Megatron-Core's DDP hooks stay eager. Compiling happens at the first step (forward, then
+    backward). Returns the number of layers."""
+    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compile()
+    D.print0(f"model.compile: {len(layers)} transformer layers compiled by torch.compile at the first step",
+             file=sys.stderr)  # stderr: tools' stdout (bench --json) stays theirs
+    return len(layers)
+
+
 def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = True, train: bool = True,
           make_model=GPT, prepare=None) -> TrainState:
     """init=False skips the random init (every weight will be loaded: conversions); train=False returns
@@ -78,6 +94,8 @@ def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = 
     chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model, cfg.train.seed)
     if prepare is not None:
         prepare(chunks)
+    if train and cfg.model.compile:
+        compile_layers(chunks)
     if not train:
         return TrainState(model=chunks, optimizer=None, scheduler=None, config=config, shape=shape)
     model = wrap(chunks, config, bridge.ddp_config(cfg), cfg, device)  # DDP, or Megatron-FSDP
