@@ -6,6 +6,9 @@ tokenizer directory (tokenizer.json, tokenizer_config.json with `chat_template`)
     chat_tokenizer(out_dir, "chatml")   # Qwen's <|im_start|>role\\n ... <|im_end|>\\n, with its default system prompt
 
 The templates are the published ones (Meta-Llama-3-8B-Instruct's; Qwen2.5-Instruct's without its tool branches).
+The real templates of current families, verbatim (tests/fixtures/chat_templates/<name>.jinja, sources in its README):
+
+    real_chat_tokenizer(out_dir, "qwen3")   # REAL: llama3.1, llama3.2, qwen2.5, qwen3, mistral-nemo, gemma2
 """
 
 from __future__ import annotations
@@ -32,21 +35,48 @@ STYLES = {  # special tokens (the first is the end of document), bos, eos (the e
 }
 
 
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"  # <name>.jinja, verbatim
+LLAMA31 = ["<|end_of_text|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+           "<|eom_id|>", "<|python_tag|>"]
+QWEN = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+REAL = {  # name: special tokens (the first is the end of document), bos, eos (the end of a turn), added plain tokens
+    "llama3.1": (LLAMA31, "<|begin_of_text|>", "<|eot_id|>", []),
+    "llama3.2": (LLAMA31, "<|begin_of_text|>", "<|eot_id|>", []),
+    "qwen2.5": (QWEN, None, "<|im_end|>", ["<tool_call>", "</tool_call>"]),
+    "qwen3": (QWEN, None, "<|im_end|>", ["<tool_call>", "</tool_call>", "<think>", "</think>"]),
+    "mistral-nemo": (["</s>", "<s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
+                      "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], "<s>", "</s>", []),
+    "gemma2": (["<eos>", "<bos>", "<pad>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", []),
+}
+
+
+def real_chat_tokenizer(out: Path, name: str) -> Path:
+    """Writes the tokenizer directory `out` with the published template `name` (a REAL key); returns it."""
+    specials, bos, eos, plain = REAL[name]
+    return _write(out, specials, bos, eos, (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8"), plain)
+
+
 def chat_tokenizer(out: Path, style: str = "llama3") -> Path:
     """Writes the tokenizer directory `out` (vocabulary: 256 bytes + the style's special tokens, in order from
     id 256); returns it."""
+    specials, bos, eos, template = STYLES[style]
+    return _write(out, specials, bos, eos, template)
+
+
+def _write(out: Path, specials: list[str], bos: str | None, eos: str, template: str, plain: list[str] = ()) -> Path:
+    """256 byte ids, then `specials`, then `plain` (added tokens that are not special, as Qwen's <think>)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials, bos, eos, template = STYLES[style]
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]  # GPT-2's bytes_to_unicode: the rest from chr(256) up
     char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-    vocab = {char[b]: b for b in range(256)} | {token: 256 + i for i, token in enumerate(specials)}
+    vocab = {char[b]: b for b in range(256)} | {token: 256 + i for i, token in enumerate([*specials, *plain])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    tok.add_tokens([AddedToken(token, special=False, normalized=False) for token in plain])
     out = Path(out)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0],
                             chat_template=template, clean_up_tokenization_spaces=False).save_pretrained(str(out))

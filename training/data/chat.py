@@ -12,8 +12,10 @@ the whole conversation, tokenized once (add_special_tokens=False: the template w
 tokenizer.apply_chat_template(messages). The mask comes from renderings, not from guessing the template's markup:
 assistant turn i's answer is the text between the rendering of messages[:i] with the generation prompt and that
 of messages[:i + 1] (its content and end-of-turn, e.g. `<|eot_id|>`, or `<|im_end|>` and a newline), and a token
-is a target when its first character lies in an answer. A template whose renderings are not prefixes of each other
-(one that rewrites earlier turns) is refused, naming the record.
+is a target when its first character lies in an answer. A reasoning template (Qwen3) writes a `<think>` block
+before the last answer only: an earlier answer is located without it, as the whole conversation renders it. Any
+other template whose renderings are not prefixes of each other (one that rewrites earlier turns, e.g. Mistral
+Nemo's moving the system prompt into the last user turn) is refused, naming the record.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,7 @@ from training.data.tokenizer import HFTokenizer
 from training.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")  # what every chat template renders (tool calls: not supported)
+REASONING = re.compile(r"\s*<think>[\s\S]*?</think>\s*")  # a leading reasoning block (Qwen3, QwQ, DeepSeek-R1)
 PROBE = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "Fine, thanks."}]
 
 
@@ -158,12 +162,16 @@ def encode(tokenizer: ChatTokenizer, messages: list[dict], where: str = "a conve
         if message["role"] != "assistant":
             continue
         before = tokenizer.render(messages[:i], generation_prompt=True, where=where)
-        through = tokenizer.render(messages[:i + 1], where=where)
-        if not (through.startswith(before) and full.startswith(through)):
+        answer = tokenizer.render(messages[:i + 1], where=where)
+        stable = answer.startswith(before) and full.startswith(before)
+        answer = answer[len(before):]
+        if stable and not full.startswith(answer, len(before)) and (cut := REASONING.match(answer)):
+            answer = answer[cut.end():]  # a reasoning template (Qwen3) keeps the block on the last answer only
+        if not (stable and full.startswith(answer, len(before))):
             raise ConfigError(f"{where}: the chat template is not prefix-stable (rendering the conversation up to "
                               f"assistant turn {i} does not begin the longer rendering: it rewrites earlier turns), "
                               f"so the answers cannot be located; use a template that renders turns in order")
-        answers.append((len(before), len(through)))
+        answers.append((len(before), len(before) + len(answer)))
     ids, starts = tokenizer.tokenize(full)  # [n] each
     mask = np.zeros(len(ids), dtype=np.uint8)
     for start, end in answers:

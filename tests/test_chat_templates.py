@@ -1,0 +1,98 @@
+"""training.data.chat.encode on the chat templates users bring, verbatim as published (tests/fixtures/chat_templates,
+sources in its README): Llama 3.1 / 3.2 Instruct (tool-capable, a dated system block), Qwen2.5 Instruct (with its
+tool branch), Qwen3 (reasoning blocks), Mistral Nemo, Gemma 2, each on a byte vocabulary plus the family's special
+tokens (tests/chat_fixtures.py). The reference is transformers' apply_chat_template: an accepted conversation gives
+exactly its ids, and its masked tokens are exactly each answer as the template writes it with its end of turn (Qwen3's
+last answer with the empty reasoning block the template adds); the others are refused in one line. In-process, seconds.
+"""
+
+import hashlib
+from datetime import datetime
+
+import numpy as np
+import pytest
+from chat_fixtures import REAL, TEMPLATES, real_chat_tokenizer
+from corpora import EXPECTED_WARNINGS
+
+from training.data import chat
+from training.errors import ConfigError
+
+pytestmark = EXPECTED_WARNINGS
+
+SHA256 = {"llama3.1": "e10ca381b1ccc5cf", "llama3.2": "5816fce10444e03c", "qwen2.5": "cd8e9439f0570856",
+          "qwen3": "87a2728cb8dc9fe4", "mistral-nemo": "e4676cb56dffea77", "gemma2": "ecd6ae513fe103f0"}
+SINGLE = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
+SYSTEM = [{"role": "system", "content": "Answer in one word."}, *SINGLE]
+MULTI = [{"role": "user", "content": "héllo 中文, 2+2?"}, {"role": "assistant", "content": "4 😀"},
+         {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "  6, with spaces  "}]
+CONVERSATIONS = {"single": SINGLE, "system": SYSTEM, "multi": MULTI}
+THINK = "<think>\n\n</think>\n\n"  # what Qwen3 writes before the last answer (and only the last)
+UNSTABLE = "the chat template is not prefix-stable (rendering the conversation up to assistant turn {} does not"
+EXPECTED = {  # (template, conversation): the text of each masked run, or how the one-line refusal begins
+    ("llama3.1", "single"): ["Paris.<|eot_id|>"],
+    ("llama3.1", "system"): ["Paris.<|eot_id|>"],
+    ("llama3.1", "multi"): ["4 😀<|eot_id|>", "6, with spaces<|eot_id|>"],  # the template trims answers
+    ("llama3.2", "single"): ["Paris.<|eot_id|>"],
+    ("llama3.2", "system"): ["Paris.<|eot_id|>"],
+    ("llama3.2", "multi"): ["4 😀<|eot_id|>", "6, with spaces<|eot_id|>"],
+    ("qwen2.5", "single"): ["Paris.<|im_end|>\n"],
+    ("qwen2.5", "system"): ["Paris.<|im_end|>\n"],
+    ("qwen2.5", "multi"): ["4 😀<|im_end|>\n", "  6, with spaces  <|im_end|>\n"],
+    ("qwen3", "single"): [THINK + "Paris.<|im_end|>\n"],
+    ("qwen3", "system"): [THINK + "Paris.<|im_end|>\n"],
+    # turn 1 alone is rendered with THINK, the whole conversation without it there: located without it
+    ("qwen3", "multi"): ["4 😀<|im_end|>\n", THINK + "  6, with spaces  <|im_end|>\n"],
+    ("mistral-nemo", "single"): ["Paris.</s>"],
+    ("mistral-nemo", "system"): UNSTABLE.format(2),  # the system text goes into the LAST user turn, if it is last
+    ("mistral-nemo", "multi"): ["4 😀</s>", "  6, with spaces  </s>"],
+    ("gemma2", "single"): ["Paris.<end_of_turn>\n"],
+    ("gemma2", "system"): "the chat template refuses this conversation (System role not supported)",
+    ("gemma2", "multi"): ["4 😀<end_of_turn>\n", "6, with spaces<end_of_turn>\n"],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """{template name: its ChatTokenizer}."""
+    root = tmp_path_factory.mktemp("templates")
+    return {name: chat.ChatTokenizer(str(real_chat_tokenizer(root / name, name))) for name in REAL}
+
+
+def masked_runs(tok: chat.ChatTokenizer, ids: np.ndarray, mask: np.ndarray) -> list[str]:
+    """The text of each maximal run of masked tokens, special tokens included."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))  # [2 * runs] starts and ends
+    return [tok._tok.decode(ids[a:b].tolist(), skip_special_tokens=False) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def test_the_fixtures_are_the_published_templates(tokenizers):
+    for name, (specials, _, _, plain) in REAL.items():
+        text = (TEMPLATES / f"{name}.jinja").read_bytes()
+        assert hashlib.sha256(text).hexdigest()[:16] == SHA256[name], f"{name}.jinja is not the published template"
+        tok = tokenizers[name]
+        assert tok.hf.chat_template == text.decode(), name
+        for token in [*specials, *plain]:  # one id each, as in the family's own vocabulary
+            assert len(tok.tokenize(token)[0]) == 1, (name, token)
+    before = datetime.now().strftime("%d %b %Y")  # Llama 3.2 dates its system block with strftime_now
+    dated = tokenizers["llama3.2"].render(SINGLE)
+    assert any(f"Cutting Knowledge Date: December 2023\nToday Date: {day}\n\n<|eot_id|>" in dated
+               for day in (before, datetime.now().strftime("%d %b %Y"))), dated
+    assert "\nToday Date: 26 Jul 2024\n\n" in tokenizers["llama3.1"].render(SINGLE)
+    assert "You are Qwen, created by Alibaba Cloud." in tokenizers["qwen2.5"].render(SINGLE)
+    assert tokenizers["qwen3"].render(SINGLE).startswith("<|im_start|>user\n")  # no default system prompt
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_encode_equals_the_template_or_refuses_in_one_line(tokenizers, name):
+    tok = tokenizers[name]
+    for conversation, messages in CONVERSATIONS.items():
+        expected = EXPECTED[name, conversation]
+        if isinstance(expected, str):
+            with pytest.raises(ConfigError) as refused:
+                chat.encode(tok, messages, where="chats.jsonl:3")
+            message = str(refused.value)
+            assert message.startswith(f"chats.jsonl:3: {expected}") and "\n" not in message, (conversation, message)
+            continue
+        ids, mask = chat.encode(tok, messages, where="chats.jsonl:3")
+        assert mask.dtype == np.uint8 and ids.shape == mask.shape
+        assert ids.tolist() == tok.hf.apply_chat_template(messages, tokenize=True)["input_ids"], conversation
+        assert masked_runs(tok, ids, mask) == expected, conversation
