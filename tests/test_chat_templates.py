@@ -76,6 +76,9 @@ def test_the_fixtures_are_the_published_templates(tokenizers):
     dated = tokenizers["llama3.2"].render(SINGLE)
     assert any(f"Cutting Knowledge Date: December 2023\nToday Date: {day}\n\n<|eot_id|>" in dated
                for day in (before, datetime.now().strftime("%d %b %Y"))), dated
+    today, tokenizers["llama3.2"].date["date_string"] = tokenizers["llama3.2"].date["date_string"], "01 Jan 2000"
+    assert "\nToday Date: 01 Jan 2000\n\n" in tokenizers["llama3.2"].render(SINGLE)  # one date, fixed at loading:
+    tokenizers["llama3.2"].date["date_string"] = today  # no rendering changes at midnight
     assert "\nToday Date: 26 Jul 2024\n\n" in tokenizers["llama3.1"].render(SINGLE)
     assert "You are Qwen, created by Alibaba Cloud." in tokenizers["qwen2.5"].render(SINGLE)
     assert tokenizers["qwen3"].render(SINGLE).startswith("<|im_start|>user\n")  # no default system prompt

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,9 @@ class ChatTokenizer:
         self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))  # what HFTokenizer encodes with
         template = self.hf.chat_template
         text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)  # named templates
+        # one date for every rendering (Llama 3.2's template writes today's, strftime_now, unless given date_string):
+        # a conversation rendered across midnight would not be prefix-stable
+        self.date = {"date_string": time.strftime("%d %b %Y")} if "strftime_now" in text else {}
         self.template_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
         ours, theirs = self.tokenize(self.render(PROBE, where=f"tokenizer {path}"))[0], self.reference(PROBE)
         if ours.tolist() != theirs:
@@ -88,7 +92,8 @@ class ChatTokenizer:
     def render(self, messages: list[dict], generation_prompt: bool = False, where: str = "a conversation") -> str:
         """The template's text of `messages` (with the assistant's header after them when generation_prompt)."""
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                               **self.date)
         except Exception as err:  # noqa: BLE001 - jinja's errors, and raise_exception() in a template
             raise ConfigError(f"{where}: the chat template refuses this conversation ({_reason(err)})") from err
 
@@ -101,7 +106,7 @@ class ChatTokenizer:
 
     def reference(self, messages: list[dict]) -> list[int]:
         """transformers' own ids of the conversation: apply_chat_template(messages, tokenize=True)."""
-        found = self.hf.apply_chat_template(messages, tokenize=True)
+        found = self.hf.apply_chat_template(messages, tokenize=True, **self.date)
         return list(found["input_ids"] if hasattr(found, "keys") else found)  # 5.x: a BatchEncoding; 4.x: a list
 
 
