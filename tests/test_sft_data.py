@@ -79,6 +79,7 @@ def test_encode_equals_the_template_and_masks_exactly_the_answers(tokenizers):
             assert ids.tolist() == plain.encode(hf.apply_chat_template(messages, tokenize=False)), style
             # Both answers of MULTI, each whole with its end of turn, and nothing else (system, prompts, headers).
             assert answer_runs(ids, mask, directory) == expected_answers(style, messages), style
+        assert chat.conversation({"conversations": sharegpt(MULTI)}, "f", 1) == MULTI  # ShareGPT's layout
         prompt_completion = chat.conversation({"system": "Be brief.", "prompt": "Q?", "completion": "A."}, "f", 1)
         assert [m["role"] for m in prompt_completion] == ["system", "user", "assistant"]
         assert answer_runs(*chat.encode(tok, prompt_completion), directory) == [f"A.{END_OF_TURN[style]}"]
@@ -118,13 +119,20 @@ def test_crash_while_writing_leaves_no_files(tokenizers, tmp_path):
     assert os.listdir(tmp_path / "out") == []
 
 
+def sharegpt(messages: list[dict]) -> list[dict]:
+    """The same turns in ShareGPT's layout: {"from": "system" | "human" | "gpt", "value": ...}."""
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    return [{"from": names[m["role"]], "value": m["content"]} for m in messages]
+
+
 RECORDS = [{"messages": MULTI}, None, {"prompt": "Capital of France?", "completion": "Paris."},
-           {"messages": []}, {"system": "Terse.", "prompt": "1+1?", "completion": "2"}]  # None: a blank line
+           {"messages": []}, {"system": "Terse.", "prompt": "1+1?", "completion": "2"},
+           {"conversations": sharegpt(SINGLE)}]  # None: a blank line
 
 
 def write_inputs(folder: Path) -> list[tuple[str, dict]]:
-    """chats.jsonl (RECORDS, x7 with varied text), chats.arrow, chats.parquet (a messages column with null rows) and
-    pc.parquet (prompt, completion, system); returns every (file, record) in input order, empty ones included."""
+    """chats.jsonl (RECORDS, x7 with varied text), chats.arrow, chats.parquet (a messages column with null rows),
+    sharegpt.parquet (ShareGPT's conversations column) and pc.parquet (prompt, completion, system); returns every (file, record) in input order, empty ones included."""
     folder.mkdir()
     lines, records = [], []
     for k in range(7):
@@ -142,6 +150,9 @@ def write_inputs(folder: Path) -> list[tuple[str, dict]]:
     with pa.OSFile(str(folder / "chats.arrow"), "wb") as f, pa.ipc.new_stream(f, arrow.schema) as writer:
         writer.write_table(arrow, max_chunksize=1)
     records += [("chats.arrow", {"messages": r}) for r in (SINGLE, MULTI[1:])]
+    shared = [sharegpt(MULTI), sharegpt(SINGLE)]  # ShareGPT's column
+    pq.write_table(pa.table({"conversations": shared, "source": ["x", "y"]}), folder / "sharegpt.parquet")
+    records += [("sharegpt.parquet", {"conversations": r}) for r in shared]
     pc = {"prompt": ["a?", "b?", None], "completion": ["A.", "B.", None], "system": [None, "Be kind.", None]}
     pq.write_table(pa.table(pc), folder / "pc.parquet")
     records += [("pc.parquet", dict(zip(pc, values))) for values in zip(*pc.values())]
@@ -159,7 +170,8 @@ def test_tool_round_trip_jsonl_arrow_parquet_one_or_two_workers(tokenizers, tmp_
     outputs = {}
     for workers in (1, 2):
         prefix = tmp_path / f"w{workers}" / "chats"
-        inputs = [str(tmp_path / "in" / name) for name in ("chats.jsonl", "chats.parquet", "chats.arrow", "pc.parquet")]
+        inputs = [str(tmp_path / "in" / name) for name in ("chats.jsonl", "chats.parquet", "chats.arrow",
+                                                           "sharegpt.parquet", "pc.parquet")]
         assert tool.main(["--format", "sft", "--input", *inputs, "--output-prefix", str(prefix), "--tokenizer",
                           directory, "--workers", str(workers)]) == 0, capsys.readouterr().err
         summary = capsys.readouterr().out
@@ -203,7 +215,7 @@ def test_tool_refuses_bad_records_and_tokenizers_in_one_line(tokenizers, tmp_pat
         ("role.parquet", tokenizers["llama3"], ["role.parquet:3:", "role 'tool'", "system, user, assistant"]),
         ("content.jsonl", tokenizers["llama3"], ["content.jsonl:1:", "(assistant) has content of type int"]),
         ("plain.txt", tokenizers["llama3"], ["plain.txt", "plain text holds no conversations"]),
-        ("cols.parquet", tokenizers["llama3"], ["cols.parquet", 'no "messages" column', "its columns: text"]),
+        ("cols.parquet", tokenizers["llama3"], ["cols.parquet", 'no "messages" (or "conversations") column', "its columns: text"]),
         ("noanswer.jsonl", str(bare), [str(bare), "no chat template"]),
         ("noanswer.jsonl", str(bare / "tokenizer.json"), ["bare tokenizer file has no chat template"]),
     ]

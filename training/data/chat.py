@@ -6,8 +6,9 @@ sft; the training side, packing and loss: training/data/sft.py).
     ids, mask = encode(tokenizer, messages)    # [n] token ids, [n] uint8: 1 on the assistant's tokens
     # writing them: training/data/sft_write.py (PREFIX.bin/.idx, PREFIX.mask.bin/.idx, PREFIX.json)
 
-A record is {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]} or {"prompt": str,
-"completion": str} (with an optional "system": str, its system message). The ids are the template's rendering of
+A record is {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}, ShareGPT's {"conversations":
+[{"from": "system"|"human"|"gpt", "value": str}, ...]}, or {"prompt": str, "completion": str} (with an optional
+"system": str, its system message). The ids are the template's rendering of
 the whole conversation, tokenized once (add_special_tokens=False: the template writes its own BOS), exactly
 tokenizer.apply_chat_template(messages). The mask comes from renderings, not from guessing the template's markup:
 assistant turn i's answer is the text between the rendering of messages[:i] with the generation prompt and that
@@ -33,6 +34,7 @@ from training.config.paths import MASK_SUFFIX  # ".mask": PREFIX.mask.bin/.idx, 
 from training.data.tokenizer import HFTokenizer
 from training.errors import ConfigError
 
+SHAREGPT = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 ROLES = ("system", "user", "assistant")  # what every chat template renders (tool calls: not supported)
 REASONING = re.compile(r"\s*<think>[\s\S]*?</think>\s*")  # a leading reasoning block (Qwen3, QwQ, DeepSeek-R1)
 PROBE = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "Fine, thanks."}]
@@ -118,20 +120,24 @@ def conversation(record, file: str, line: int) -> list[dict] | None:
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: a {type(record).__name__}, not a JSON object with \"messages\" (or \"prompt\" "
                           f"and \"completion\")")
-    if record.get("messages") is not None:
-        turns = record["messages"]
+    key = "messages" if record.get("messages") is not None else "conversations"  # conversations: ShareGPT's
+    if record.get(key) is not None:
+        turns = record[key]
         if not isinstance(turns, list):
-            raise ConfigError(f"{where}: \"messages\" is a {type(turns).__name__}, not a list of "
+            raise ConfigError(f"{where}: \"{key}\" is a {type(turns).__name__}, not a list of "
                               f"{{\"role\", \"content\"}} objects")
+        if key == "conversations":  # ShareGPT: {"from": "human" | "gpt" | "system", "value": ...}
+            turns = [{"role": SHAREGPT.get(t.get("from"), t.get("from")), "content": t.get("value")}
+                     if isinstance(t, dict) and "from" in t else t for t in turns]
     elif "prompt" in record or "completion" in record:
         if record.get("prompt") is None and record.get("completion") is None:
             return None
         system = [] if record.get("system") is None else [{"role": "system", "content": record["system"]}]
         turns = system + [{"role": "user", "content": record.get("prompt")},
                           {"role": "assistant", "content": record.get("completion")}]
-    elif "messages" not in record:
-        raise ConfigError(f"{where}: no \"messages\", nor \"prompt\" and \"completion\" (its keys: "
-                          f"{', '.join(map(str, record)) or 'none'})")
+    elif "messages" not in record and "conversations" not in record:
+        raise ConfigError(f"{where}: no \"messages\" (or ShareGPT's \"conversations\"), nor \"prompt\" and "
+                          f"\"completion\" (its keys: {', '.join(map(str, record)) or 'none'})")
     else:
         return None
     if not turns:

@@ -202,13 +202,15 @@ def _check_column(path: str, schema, text_key: str | None) -> None:
 
 
 def record_columns(path: str, names: list[str]) -> list[str]:
-    """The columns of a conversation (--format sft): "messages", else "prompt" and "completion" (and "system")."""
-    if "messages" in names:
-        return ["messages"]
+    """The columns of a conversation (--format sft): "messages" (or ShareGPT's "conversations"), else "prompt" and
+    "completion" (and "system")."""
+    for key in ("messages", "conversations"):
+        if key in names:
+            return [key]
     if "prompt" in names and "completion" in names:
         return ["prompt", "completion", *(["system"] if "system" in names else [])]
-    raise ConfigError(f"{path}: no \"messages\" column, nor \"prompt\" and \"completion\" (its columns: "
-                      f"{', '.join(names)}): --format sft reads conversations")
+    raise ConfigError(f"{path}: no \"messages\" (or \"conversations\") column, nor \"prompt\" and \"completion\" "
+                      f"(its columns: {', '.join(names)}): --format sft reads conversations")
 
 
 # ---------------------------------------------------------------------------------------------- reading
