@@ -70,8 +70,9 @@ class ChatTokenizer:
 
     def __init__(self, path: str):
         if not os.path.isdir(path):
-            raise ConfigError(f"tokenizer {path}: " + ("a bare tokenizer file has no chat template" if
-                              os.path.exists(path) else "no such directory") + ": --format sft needs the tokenizer's "
+            what = ("the built-in byte tokenizer has no chat template" if path == "byte" else "a bare tokenizer "
+                    "file has no chat template" if os.path.exists(path) else "no such directory")
+            raise ConfigError(f"tokenizer {path}: {what}: --format sft needs the tokenizer's "
                               "directory (tokenizer.json, tokenizer_config.json, chat_template.jinja) as a Hugging "
                               "Face chat model ships it")
         base = HFTokenizer(path)  # checks tokenizer.json; gives the name training checks
