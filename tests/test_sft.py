@@ -6,7 +6,8 @@ shape training/data/sft.py reads from PREFIX / PREFIX.mask, and packed by its Pa
   positions, and one conversation's loss gives no gradient to another's tokens;
 - prompt tokens count for nothing: the loss is the hand-computed masked mean, and changing a later prompt
   leaves the earlier answers' losses alone;
-- tp2, pp2, pp2 x vpp2 and dp2 (whose ranks hold very different answer counts) train the one-process model (1e-5).
+- tp2, pp2, pp2 x vpp2, dp2 (whose ranks hold very different answer counts), and tp2 / pp2 with selective / full
+  recomputation train the one-process model (1e-5).
 """
 
 import numpy as np
@@ -190,7 +191,10 @@ STEPS = ["optim.lr=1e-2", "optim.warmup_iters=0", "optim.clip_grad=0.0", "optim.
 LAYOUTS = {"tp2": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"],
            "dp2": ["train.micro_batch_size=1"],
            # virtual stages in the middle of the pipeline take the segments and positions too
-           "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1"]}
+           "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1"],
+           # recomputation replays attention with the packed mask
+           "tp2-selective": ["parallel.tp=2", "model.recompute=selective"],
+           "pp2-full": ["parallel.pp=2", "model.recompute=full"]}
 
 
 @pytest.mark.slow
