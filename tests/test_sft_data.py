@@ -132,7 +132,8 @@ RECORDS = [{"messages": MULTI}, None, {"prompt": "Capital of France?", "completi
 
 def write_inputs(folder: Path) -> list[tuple[str, dict]]:
     """chats.jsonl (RECORDS, x7 with varied text), chats.arrow, chats.parquet (a messages column with null rows),
-    sharegpt.parquet (ShareGPT's conversations column) and pc.parquet (prompt, completion, system); returns every (file, record) in input order, empty ones included."""
+    sharegpt.parquet (ShareGPT's conversations column) and pc.parquet (prompt, completion, system); returns every
+    (file, record) in input order, empty ones included."""
     folder.mkdir()
     lines, records = [], []
     for k in range(7):
@@ -215,7 +216,8 @@ def test_tool_refuses_bad_records_and_tokenizers_in_one_line(tokenizers, tmp_pat
         ("role.parquet", tokenizers["llama3"], ["role.parquet:3:", "role 'tool'", "system, user, assistant"]),
         ("content.jsonl", tokenizers["llama3"], ["content.jsonl:1:", "(assistant) has content of type int"]),
         ("plain.txt", tokenizers["llama3"], ["plain.txt", "plain text holds no conversations"]),
-        ("cols.parquet", tokenizers["llama3"], ["cols.parquet", 'no "messages" (or "conversations") column', "its columns: text"]),
+        ("cols.parquet", tokenizers["llama3"], ["cols.parquet", 'no "messages" (or "conversations") column',
+                                                "its columns: text"]),
         ("noanswer.jsonl", str(bare), [str(bare), "no chat template"]),
         ("noanswer.jsonl", str(bare / "tokenizer.json"), ["bare tokenizer file has no chat template"]),
     ]
@@ -226,4 +228,9 @@ def test_tool_refuses_bad_records_and_tokenizers_in_one_line(tokenizers, tmp_pat
             assert tool.main(args) == 2, (name, tokenizer)
             err = capsys.readouterr().err.strip()
             assert err.startswith("error: ") and "\n" not in err and all(e in err for e in expected), (expected, err)
+    assert tool.main(["--format", "sft", "--input", str(tmp_path / "noanswer.jsonl"), "--output-prefix",
+                      str(tmp_path / "out" / "c"), "--tokenizer", tokenizers["llama3"], "--text-key", "body"]) == 2
+    assert capsys.readouterr().err.strip() == ('error: --text-key body names the document of --format text; --format '
+                                               'sft reads each record\'s "messages" (or "conversations", or "prompt" '
+                                               'and "completion")')
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []

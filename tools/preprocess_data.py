@@ -188,8 +188,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "--format sft: a Hugging Face tokenizer directory with a chat template")
     parser.add_argument("--format", dest="data_format", choices=("text", "sft"), default="text",
                         help="text: documents; sft: conversations with the loss on the answers (data.format=sft)")
-    parser.add_argument("--text-key", "--json-key", dest="text_key", default="text",
-                        help="the document: a .jsonl/.json field, a Parquet/Arrow column (--json-key: the old name)")
+    parser.add_argument("--text-key", "--json-key", dest="text_key", default=None,
+                        help="the document: a .jsonl/.json field, a Parquet/Arrow column (default text; --json-key: "
+                             "the old name); not with --format sft")
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (use the cores for big inputs)")
     return parser.parse_args(argv)
 
@@ -202,6 +203,10 @@ def run(argv: list[str]) -> int:
         raise ConfigError(f"--output-prefix {args.output_prefix}: give the prefix, without "
                           f"{Path(args.output_prefix).suffix}")
     sft = args.data_format == "sft"
+    if sft and args.text_key is not None:
+        raise ConfigError(f"--text-key {args.text_key} names the document of --format text; --format sft reads each "
+                          f"record's \"messages\" (or \"conversations\", or \"prompt\" and \"completion\")")
+    args.text_key = args.text_key or "text"
     tokenizer = load_tokenizer(args.tokenizer, args.data_format)  # in the parent first: fails before any work
     inputs = sources.resolve(args.input, None if sft else args.text_key)  # every input found and checked first
     try:
