@@ -34,6 +34,9 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad [..., ffn] -> [..., 2*ffn]
         gate, up, activated = ctx.saved_tensors
+        if torch.compiler.is_compiling():  # model.compile: dynamo cannot trace out= into strided halves (a graph
+            # break per layer); inductor fuses the concatenation anyway. The same ops, the same values
+            return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * activated], dim=-1)
         out = grad.new_empty((*grad.shape[:-1], 2 * grad.shape[-1]))
         d_gate, d_up = torch.chunk(out, 2, dim=-1)
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
