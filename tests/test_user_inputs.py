@@ -71,6 +71,14 @@ def test_check_config_names_each_missing_tokenizer_and_checkpoint(tmp_path, caps
         f"holding one)",
         f"error: checkpoint.load={tmp_path} is not a checkpoint (no run.json / metadata.json; no `latest` file, no "
         f"complete iter_* directory)"]
+    # conversations (data.format=sft): the loss mask's files are named too
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"chats{suffix}").write_bytes(b"x")
+    code, lines = check_config(capsys, "data.format=sft", f"data.paths=[{tmp_path / 'chats'}]")
+    assert code == 2 and lines == [f"error: data.paths: no dataset at prefix {tmp_path / 'chats'}.mask (expected "
+                                   f"{tmp_path / 'chats'}.mask.bin and {tmp_path / 'chats'}.mask.idx; create them with "
+                                   f"tools/preprocess_data.py) (the conversations' loss mask: "
+                                   f"tools/preprocess_data.py --format sft writes it)"], lines
     # its own options apart from the overrides (was `LexerNoViableAltException: --nproc`)
     assert check_config(capsys, "--nproc", "2", "parallel.tp=2")[0] == 0
     code, lines = check_config(capsys, "--nproc", "3", "parallel.tp=2")

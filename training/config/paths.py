@@ -84,10 +84,11 @@ def load_problem(spec: str | None) -> str | None:
 def path_problems(cfg: Config) -> list[str]:
     """Every missing file the config names, one line each (data.paths only when data.mock is off)."""
     prefixes = [] if cfg.data.mock else [str(p) for p in cfg.data.paths]
+    found = [prefix_problem(p) for p in prefixes]
     if str(cfg.data.format) == "sft":  # conversations: each with its loss mask (training/data/chat.py)
-        prefixes = [q for p in prefixes for q in (p, f"{p}{MASK_SUFFIX}")]
-    found = [prefix_problem(p) for p in prefixes] + [tokenizer_problem(cfg.data.tokenizer),
-                                                     load_problem(cfg.checkpoint.load)]
+        found += [f"{problem} (the conversations' loss mask: tools/preprocess_data.py --format sft writes it)"
+                  for p in prefixes if not prefix_problem(p) and (problem := prefix_problem(f"{p}{MASK_SUFFIX}"))]
+    found += [tokenizer_problem(cfg.data.tokenizer), load_problem(cfg.checkpoint.load)]
     return [problem for problem in found if problem is not None]
 
 
