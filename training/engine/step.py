@@ -60,8 +60,8 @@ def forward_step(data_iterator, model):
     positions = batch["position_ids"].to(device) if batch is not None and "position_ids" in batch and \
         (packed or gpt.pre_process) else None  # [b, s(/cp)]
     segments = batch["segment_ids"].to(device) if packed else None  # [b, s]
-    output = model(tokens, labels, position_ids=positions, segment_ids=segments)  # [b, s(/cp)] token losses, or
-    # (not the last stage) activations
+    # the last stage's token losses [b, s(/cp)], or this stage's activations
+    output = model(tokens, labels, position_ids=positions, segment_ids=segments)
     mask = batch["loss_mask"].to(device) if gpt.post_process else None
     return output, partial(loss_func, mask)
 
