@@ -17,8 +17,9 @@ training refuses to read the data with another one: train with `data.paths=[PREF
 Parts preprocessed apart are joined with tools/merge_datasets.py.
 
 --format sft: conversations for fine-tuning (data.format=sft), a record per JSON line or Parquet/Arrow row:
-{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} or {"prompt": ..., "completion": ...}
-(and an optional "system"), rendered with the chat template of --tokenizer (a Hugging Face tokenizer directory).
+{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}, ShareGPT's {"conversations": [{"from":
+"system"|"human"|"gpt", "value": ...}, ...]}, or {"prompt": ..., "completion": ...} (and an optional "system"),
+rendered with the chat template of --tokenizer (a Hugging Face tokenizer directory).
 Writes PREFIX.bin/.idx (each conversation's token ids, nothing appended), PREFIX.mask.bin/.idx (1 on the assistant's
 tokens: the loss targets) and PREFIX.json; empty records are skipped and counted (training/data/chat.py).
 
@@ -217,10 +218,9 @@ def run(argv: list[str]) -> int:
     if sft:
         meta = json.loads(Path(f"{args.output_prefix}.json").read_text())
         print(f"wrote {args.output_prefix}.bin/.idx/.json and {chat.mask_prefix(args.output_prefix)}.bin/.idx "
-              f"({meta['documents']} "
-              f"conversations, {meta['tokens']} tokens, {meta['answer_tokens']} answer tokens, {meta['dropped']} "
-              f"empty records skipped; tokenizer {tokenizer.name}, chat template {meta['chat_template']}) from "
-              f"{len(inputs)} file(s): {progress.line()}")
+              f"({meta['documents']} conversations, {meta['tokens']} tokens, {meta['answer_tokens']} answer tokens, "
+              f"{meta['dropped']} empty records skipped; tokenizer {tokenizer.name}, chat template "
+              f"{meta['chat_template']}) from {len(inputs)} file(s): {progress.line()}")
         return 0
     print(f"wrote {args.output_prefix}.bin/.idx/.json ({progress.tokens} tokens, tokenizer {tokenizer.name}) "
           f"from {len(inputs)} file(s): {progress.line()}")
