@@ -194,3 +194,29 @@ def test_which_rank_prints_an_error(monkeypatch, capsys):
     assert printed("1", everywhere, False) == ""
     assert printed("1", everywhere, True) == "error: rank 1: bad\nerror: rank 1: worse\n"
     assert printed("1", alone, False) == printed("1", alone, True) == "error: saving failed on rank 1\n"
+
+
+def test_an_error_reaches_the_shared_pipe_in_one_write(monkeypatch):
+    """Under the launcher every rank writes to one pipe, unbuffered (PYTHONUNBUFFERED=1): an error written in pieces
+    (print's text, then its newline) can have a peer's copy land between them, `error: rank 1: Xerror: X` and an
+    empty line, and the filter then shows rank 1's copy as well (CI saw it once). One write per error."""
+    import sys
+
+    from training.errors import EVERY_RANK, TemplateError, print_error
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(EVERY_RANK, "1")
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    print_error(TemplateError("bad\nworse"))
+    assert sys.stderr.writes == ["error: rank 1: bad\nerror: rank 1: worse\n"]

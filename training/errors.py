@@ -45,7 +45,10 @@ def print_error(err: BaseException) -> None:
     else:
         return
     lines = str(err).splitlines() or [type(err).__name__]
-    print("\n".join(f"error: {prefix}{line}" for line in lines), file=sys.stderr, flush=True)
+    # one write: under launch/common.sh (PYTHONUNBUFFERED=1) print's text and its newline are two, and a peer
+    # rank's line sharing the pipe can land between them (`error: rank 1: Xerror: X`, then an empty line)
+    sys.stderr.write("".join(f"error: {prefix}{line}\n" for line in lines))
+    sys.stderr.flush()
 
 
 def exit_on_error(fn, *args, also: tuple[type[BaseException], ...] = ()) -> int:

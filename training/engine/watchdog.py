@@ -74,10 +74,11 @@ class Watchdog:
             if elapsed > limit:
                 median = f"{statistics.median(self.steps):.2f} s" if self.steps else "none yet"
                 where = self._write_stacks()
-                print(f"watchdog: rank {self.rank} stalled in the {name} of step {step}: {elapsed:.1f} s, over its "
-                      f"limit of {limit:.1f} s (median step {median}; train.watchdog_factor={self.factor:g}, "
-                      f"train.watchdog_min_seconds={self.min_seconds:g}); its Python stacks{where}:", file=sys.stderr,
-                      flush=True)
+                sys.stderr.write(f"watchdog: rank {self.rank} stalled in the {name} of step {step}: {elapsed:.1f} s, "
+                                 f"over its limit of {limit:.1f} s (median step {median}; train.watchdog_factor="
+                                 f"{self.factor:g}, train.watchdog_min_seconds={self.min_seconds:g}); its Python "
+                                 f"stacks{where}:\n")  # one write (training/errors.py: peers share the pipe)
+                sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 os._exit(EXIT_CODE)  # a hung collective never returns: leave without cleanup
