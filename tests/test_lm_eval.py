@@ -1,8 +1,9 @@
 """tools/evaluate.py --tasks (training/interop/lm_eval_adapter.py): lm-evaluation-harness's own task definitions,
 here three of ours over local JSON lines (tests/fixtures/lm_eval: multiple choice, rolling perplexity,
-generation), scored on a checkpoint at tp1 and tp2 give what lm-eval's `hf` backend gives on the same checkpoint
-exported to Hugging Face (tools/convert_hf.py export): equal accuracies, greedy flags and generated text, every
-log-likelihood within 1e-4 (plus the fp32 resolution of hf's sums). Offline: HF_DATASETS_OFFLINE /
+generation) and a fourth the test writes (choices the export continues greedily, and near misses), scored on a
+checkpoint at tp1 and tp2 give what lm-eval's `hf` backend gives on the same checkpoint exported to Hugging Face
+(tools/convert_hf.py export): equal accuracies, greedy flags and generated text, every log-likelihood within 1e-4
+(plus the fp32 resolution of hf's sums). Offline: HF_DATASETS_OFFLINE /
 HF_HUB_OFFLINE, the datasets cache in tmp.
 
 Two launches: one process saves a checkpoint (one step), exports it, runs lm-eval's hf backend and the tool at
@@ -23,7 +24,7 @@ from runs import QUICK, _train
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = "tests/fixtures/lm_eval"  # the YAMLs' data_files are relative to the repository root
-TASKS = ["tiny_choice", "tiny_perplexity", "tiny_generate"]
+TASKS = ["tiny_choice", "tiny_perplexity", "tiny_generate", "tiny_greedy"]  # tiny_greedy: written by greedy_task
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TOLERANCE = 1e-4  # log-likelihood, absolute (fp32; the exported model computes in another order)
 # Random weights, saved after one step: with a larger init std the logits spread (std ~3) so greedy tokens are
@@ -49,8 +50,41 @@ def byte_tokenizer(out: Path) -> None:
     (out / "config.json").write_text(json.dumps({"eos_token_id": 256}))
 
 
+def greedy_task(root: Path) -> None:
+    """root/tasks/tiny_greedy: after each prompt of choice.jsonl and generate.jsonl, what the exported model writes
+    greedily (hf's generate; its first 1-3 bytes up to one that is not ASCII) as the first choice (is_greedy True),
+    then that with its first byte changed and, when longer than one, with its last byte changed (False): the flag
+    is checked both ways and on every token (tiny_choice's answers are never greedy)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    docs = []
+    for name, field in (("choice.jsonl", "question"), ("generate.jsonl", "prompt")):
+        for line in (ROOT / FIXTURES / name).read_text().splitlines():
+            prompt = json.loads(line)[field]
+            ids = torch.tensor([list(prompt.encode())])  # the byte tokenizer: byte b is id b
+            new = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=256)[0, ids.shape[1]:].tolist()
+            ascii_ = next((i for i, t in enumerate(new) if not 0 < t < 128), len(new))
+            if ascii_:  # one byte each, in both tokenizers
+                greedy = bytes(new[:ascii_]).decode()
+                flips = [chr(ord(greedy[0]) ^ 1) + greedy[1:]] + ([greedy[:-1] + chr(ord(greedy[-1]) ^ 1)]
+                                                                  if len(greedy) > 1 else [])
+                docs.append({"question": prompt, "choices": [greedy, *flips], "answer": 0})
+    assert len(docs) >= 3 and any(len(doc["choices"]) == 3 for doc in docs), docs
+    tasks = root / "tasks"
+    tasks.mkdir()
+    (tasks / "greedy.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (tasks / "tiny_greedy.yaml").write_text(
+        (ROOT / FIXTURES / "tiny_choice.yaml").read_text().replace("tiny_choice", "tiny_greedy")
+        .replace(f"{FIXTURES}/choice.jsonl", str(tasks / "greedy.jsonl"))
+        .replace('doc_to_text: "Question: {{question}}\\nAnswer:"',
+                 'doc_to_text: "{{question}}"\ntarget_delimiter: ""'))
+
+
 def tool_args(ckpt: Path, output: Path) -> list[str]:
-    return ["--ckpt", str(ckpt), "--tasks", ",".join(TASKS), "--include-path", FIXTURES, "--batch-size", "4",
+    return ["--ckpt", str(ckpt), "--tasks", ",".join(TASKS), "--include-path", FIXTURES, "--include-path",
+            str(ckpt.parents[1] / "tasks"), "--batch-size", "4",
             "--bootstrap-iters", "0", "--log-samples", "--output", str(output), "--json"]
 
 
@@ -71,9 +105,10 @@ def _reference(root: str) -> dict:
     code, out, err = convert_main(convert_hf, ["export", "--ckpt", str(run / "checkpoints"), "--out",
                                                f"{root}/hf", "--tokenizer-dir", f"{root}/tokenizer"])
     assert code == 0, out + err
+    greedy_task(Path(root))
     hf = simple_evaluate(model="hf", model_args={"pretrained": f"{root}/hf", "dtype": "float32"}, tasks=TASKS,
                          batch_size=1, device="cpu", log_samples=True, bootstrap_iters=0,
-                         task_manager=TaskManager(include_path=FIXTURES, include_defaults=False))
+                         task_manager=TaskManager(include_path=[FIXTURES, f"{root}/tasks"], include_defaults=False))
     assert evaluate.main(tool_args(run / "checkpoints", Path(root) / "tp1.json")) == 0
     return {"hf": json.loads(json.dumps(hf, default=handle_non_serializable)),
             "tp1": json.loads((Path(root) / "tp1.json").read_text())}
@@ -117,6 +152,9 @@ def test_tasks_score_as_lm_evals_hf_backend_on_the_export(scored, layout):
     for ll, ll_hf in pairs + rolling:  # hf sums each window in fp32: its own resolution at |ll| ~ 1000 is 6e-5
         assert abs(ll - ll_hf) < TOLERANCE + 2**-24 * abs(ll_hf), (ll, ll_hf)
     assert [g for doc in choice for _, g in doc] == [g for doc in choice_hf for _, g in doc]  # is_greedy
+    greedy_hf, greedy = responses(hf, "tiny_greedy"), responses(ours, "tiny_greedy")
+    built = [[True] + [False] * (len(doc) - 1) for doc in greedy_hf]  # as greedy_task built them
+    assert [[g for _, g in doc] for doc in greedy_hf] == built and [[g for _, g in doc] for doc in greedy] == built
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["results"]["tiny_choice"][metric] == hf["results"]["tiny_choice"][metric], metric
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
