@@ -132,6 +132,9 @@ run_or_print() {
     kill -0 "$out_pid" 2>/dev/null || kill -0 "$err_pid" 2>/dev/null || break
     sleep 0.1
   done
+  # an orphan of a killed rank that still holds their input would keep the filters, and with them this script's
+  # output (a pipe a caller reads to its end), open after this script ends: they ignore TERM (above)
+  kill -KILL "$out_pid" "$err_pid" 2>/dev/null || true
   summary_status=$status
   sig=$(note sig)
   [ -n "$sig" ] && stopped=${stopped:-$(kill -l "$sig")}  # torchrun itself was signalled
@@ -212,6 +215,7 @@ failure_summary() {
   rank=${first% *}
   code=${first#* }
   case "$code" in
+    -9) how=" (killed by signal 9: kill -9, or the kernel's out-of-memory killer, which dmesg names)" ;;
     -*) how=" (killed by signal ${code#-})" ;;
     2) how=" (the user's error)"
        if grep -q '^err ' "$NOTES"; then how=" (the user's error, above)"; fi ;;

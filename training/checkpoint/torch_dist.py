@@ -77,6 +77,7 @@ def save(cfg: Config, state: TrainState, path: Path, extra: dict, model_only: bo
     metadata (background.py schedules it)."""
     sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only)
     sharded.update(extra)
+    upstream_fixes.results_queue_dies_with_the_rank()  # its helper processes die with this rank
     return dist_checkpointing.save(sharded, str(path), verify_integrity=True, async_sharded_save=background,
                                    async_strategy=ASYNC_STRATEGY)
 
@@ -84,7 +85,7 @@ def save(cfg: Config, state: TrainState, path: Path, extra: dict, model_only: bo
 def load_weights(cfg: Config, path: Path, chunks: list) -> None:
     """A checkpoint's weights into bare model chunks (before Megatron-FSDP wraps them: an FSDP fine-tune from
     an HF import or a DDP run's checkpoint)."""
-    with loading(f"the weights of {path}"):
+    with loading(f"the weights of {path}", path):
         loaded = dist_checkpointing.load(model_state_dict(cfg, chunks), str(path), verify_integrity=True)
     for key, chunk in zip(model_keys(chunks), chunks):
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
@@ -99,7 +100,7 @@ def load(cfg: Config, state: TrainState, path: Path, run: dict, weights_only: bo
     template = state_dict(cfg, state, is_loading=True, with_rng=same_layout, model_only=weights_only)
     if not weights_only:
         template["iteration"], template["consumed_samples"] = 0, 0
-    with loading(f"checkpoint {path}"):
+    with loading(f"checkpoint {path}", path):
         loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
     for key, chunk in zip(model_keys(state.model), state.model):
         chunk.load_state_dict(loaded[key], strict=True)

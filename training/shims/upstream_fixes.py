@@ -31,11 +31,33 @@ after the upstream report and covered by a test.
    Fix: expert weights are always marked expert weights; at EP = 1 the expert-data-parallel group is the
    data-parallel group, so the arithmetic is unchanged.
    Test: tests/test_moe.py (EP2 -> EP1 and EP1 -> EP2 resume, Adam state included).
+
+4. dist_checkpointing's write-results queue outlives a killed rank (no upstream report found): a rank's first save
+   with shards to write starts a multiprocessing Manager (spawn: its server process, and the resource tracker)
+   for the rest of the process's life, sharing the rank's stdout and stderr. When the rank is killed (OOM, kill -9)
+   the Manager lives on, an orphan per dead rank (one more at each MAX_RESTARTS restart), holding the launcher's
+   output pipes open. Fix: the queue comes from a Manager whose server asks Linux to kill it when the rank dies
+   (PR_SET_PDEATHSIG); the resource tracker then ends too (its last writer is gone). Megatron-Core's
+   get_write_results_queue is replaced before a save; nvidia-resiliency-ext's copy of it (checkpoint.async_save
+   in NGC containers) likewise when importable.
+   Test: tests/test_faults.py (the rank that saved is killed: its helper processes are gone within a minute).
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing.managers import SyncManager
+
 import torch
+
+RESULTS_QUEUE_MODULES = ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+                         "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async")
+_managers: list[SyncManager] = []
 
 
 def pipeline_p2p_settings(pp: int, vpp: int | None) -> dict:
@@ -107,3 +129,40 @@ def after_optimizer_load(optimizer) -> None:
         for state in dist_opt.optimizer.state.values():
             if "step" in state:
                 state["step"] = state["step"].clone()
+
+
+def _die_with(parent: int) -> None:
+    """In the Manager's server process, first: SIGKILL when the thread that started it (the rank's) ends."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the rank died before the prctl
+        os._exit(0)
+
+
+def _queue_getter(module):
+    """get_write_results_queue for `module`, as lazy as Megatron-Core's (only ranks with shards to write start a
+    Manager), from a Manager that dies with this rank."""
+    def get_write_results_queue(mp_mode: str = "spawn"):
+        if module._results_queue is None:
+            manager = SyncManager(ctx=multiprocessing.get_context(mp_mode))
+            manager.start(initializer=_die_with, initargs=(os.getpid(),))
+            _managers.append(manager)  # the queue's proxy keeps it too; kept here for clarity
+            module._results_queue = manager.Queue()
+        return module._results_queue
+
+    get_write_results_queue.dies_with_the_rank = True
+    return get_write_results_queue
+
+
+def results_queue_dies_with_the_rank() -> None:
+    """Fix 4, before a save (idempotent; Linux only, where prctl exists): each module's get_write_results_queue
+    (looked up at call time by its callers) replaced."""
+    if not sys.platform.startswith("linux"):
+        return
+    for name in RESULTS_QUEUE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        current = getattr(module, "get_write_results_queue", None)
+        if current is not None and not getattr(current, "dies_with_the_rank", False):
+            module.get_write_results_queue = _queue_getter(module)
