@@ -24,7 +24,13 @@ INVALID = {
     "layers-vs-vpp": (["parallel.pp=2", "parallel.vpp=4"], 2,
                       "model.num_layers=4 is not divisible by parallel.pp * vpp = 2 * 4 = 8"),
     "batch-vs-micro-dp": (["train.global_batch_size=12", "train.micro_batch_size=4"], 2,
-                          "train.global_batch_size=12 is not divisible by train.micro_batch_size * dp = 4 * 2 = 8"),
+                          "train.global_batch_size=12 is not divisible by train.micro_batch_size * dp = 4 * 2 = 8: "
+                          "set train.global_batch_size to a multiple of 8 (e.g. 16), or train.micro_batch_size=3 "
+                          "(12 = 3 * dp 2 * 2 accumulation step(s))"),
+    "default-batch-on-8": ([], 8, "train.global_batch_size=16 is not divisible by train.micro_batch_size * dp = 4 * 8 "
+                                  "= 32: set train.global_batch_size to a multiple of 32 (e.g. 32), or "
+                                  "train.micro_batch_size=2 (16 = 2 * dp 8 * 1 accumulation step(s))"),
+    "no-process": ([], 0, "world size 0: start at least one process (NPROC >= 1)"),
     "sp-needs-tp": (["parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
     "vpp-needs-pp": (["parallel.vpp=2"], 1, "parallel.vpp=2 needs parallel.pp > 1 (got pp=1)"),
     "seq-vs-tp-under-sp": (["parallel.tp=2", "parallel.sp=true", "model.seq_length=127"], 2,
@@ -44,6 +50,8 @@ INVALID = {
     "activation-choice": (["model.activation=relu"], 1,
                           "model.activation: Invalid value 'relu', expected one of [gelu, swiglu]"),
     "fused-kernels-bool": (["model.fused_kernels=maybe"], 1, "model.fused_kernels: Value 'maybe' is not a valid bool"),
+    "unknown-group-option": (["model=lama"], 1, "model=lama: no such config in conf/model/ (did you mean llama_1b? "
+                                                "choose from gpt2_124m, llama2_7b,"),
     "unknown-key": (["model.num_experts=8"], 1,
                     "unknown key 'model.num_experts' (did you mean model.moe.num_experts?)"),
     "integer-field": (["train.iters=ten"], 1,

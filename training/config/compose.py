@@ -28,6 +28,13 @@ def one_line(err: BaseException) -> str:
     message = (getattr(cause, "msg", None) or str(cause)).strip().splitlines()
     key = getattr(cause, "full_key", None)
     first = message[0] if message else type(cause).__name__
+    group = re.search(r"Could not find '(\w+)/([^']+)'", first)
+    options = re.search(r"Available options in '\w+':\n((?:\t\S+\n?)+)", str(cause))
+    if group and options:  # a config group's option that does not exist: Hydra lists the others on more lines
+        name, choices = group.group(2), options.group(1).split()
+        near = difflib.get_close_matches(name, choices, n=1)
+        return (f"{group.group(1)}={name}: no such config in conf/{group.group(1)}/ ("
+                + (f"did you mean {near[0]}? " if near else "") + f"choose from {', '.join(choices)})")
     if missing := re.search(r"Key '[^']*' not in '\w+'\s+full_key: (\S+)", str(cause)):  # a YAML's or a {...}'s key
         where = re.match(r"In '[^']+': ", first)
         return (where.group(0) if where else "") + unknown_key(missing.group(1))

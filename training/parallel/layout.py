@@ -100,6 +100,8 @@ class Layout:
         """The rules of the sizes alone, one line each, every number named (empty when they hold)."""
         out = [f"parallel.{k}={getattr(self, k)} must be >= 1" for k in ("tp", "pp", "cp", "ep", "etp")
                if getattr(self, k) < 1]
+        if self.world < 1:
+            out.append(f"world size {self.world}: start at least one process (NPROC >= 1)")
         if out:
             return out
         mp = self.model_parallel
@@ -124,13 +126,18 @@ class Layout:
     def batch_problems(self) -> list[str]:
         """The global batch must split into whole micro-batches on every DP rank (and, interleaved, into a
         multiple of pp of them)."""
-        if self.world % self.model_parallel or not self.global_batch_size:
-            return []  # said by problems(), or no global batch given
+        if self.world < 1 or self.world % self.model_parallel or not self.global_batch_size \
+                or self.micro_batch_size < 1:
+            return []  # said by problems() or run_problems(), or no global batch given
         global_batch_size, micro_batch_size, per_step = self.global_batch_size, self.micro_batch_size, \
             self.micro_batch_size * self.dp
         if global_batch_size % per_step:
+            fits = [m for m in range(micro_batch_size - 1, 0, -1) if global_batch_size % (m * self.dp) == 0]
+            smaller = f", or train.micro_batch_size={fits[0]} ({global_batch_size} = {fits[0]} * dp {self.dp} * " \
+                      f"{global_batch_size // (fits[0] * self.dp)} accumulation step(s))" if fits else ""
             return [f"train.global_batch_size={global_batch_size} is not divisible by train.micro_batch_size * dp "
-                    f"= {micro_batch_size} * {self.dp} = {per_step}"]
+                    f"= {micro_batch_size} * {self.dp} = {per_step}: set train.global_batch_size to a multiple of "
+                    f"{per_step} (e.g. {-(-global_batch_size // per_step) * per_step}){smaller}"]
         micro = global_batch_size // per_step
         if self.vpp is not None and micro % self.pp:
             return [f"interleaved pipeline (parallel.vpp={self.vpp}) needs micro-batches per step divisible by "
