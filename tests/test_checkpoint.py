@@ -3,6 +3,7 @@ good state, clear errors for corrupt or mismatched checkpoints."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -219,10 +220,17 @@ def test_partial_corrupt_and_mismatched_checkpoints(tmp_path):
     # explicitly names it.
     (ckpts / "iter_0000006").mkdir()
     (ckpts / "iter_0000006" / "__0_0.distcp").write_bytes(b"partial")
+    shutil.copytree(ckpts / "iter_0000002", ckpts / "iter_0000003")  # its run.json cut short below
+    run_json = ckpts / "iter_0000003" / "run.json"
+    run_json.write_text(run_json.read_text()[:40])
     (results,) = run_distributed(_load_each, 1, ([[f"checkpoint.dir={ckpts}", "checkpoint.load=auto"],
-                                                  [f"checkpoint.load={ckpts}/iter_0000006"]],), timeout=180)
+                                                  [f"checkpoint.load={ckpts}/iter_0000006"],
+                                                  [f"checkpoint.load={ckpts}/iter_0000003"]],), timeout=180)
     assert results[0] == "loaded iteration 4"
     assert results[1].startswith("error: checkpoint") and "iter_0000006 is incomplete" in results[1]
+    assert results[2].startswith(f"error: cannot load checkpoint {ckpts}/iter_0000003: run.json: JSONDecodeError: ")
+    assert results[2].endswith(f"; an earlier complete checkpoint: {ckpts}/iter_0000002"), results[2]
+    shutil.rmtree(ckpts / "iter_0000003")
 
     shard = next((ckpts / "iter_0000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-64] + b"\0" * 64)
@@ -232,6 +240,8 @@ def test_partial_corrupt_and_mismatched_checkpoints(tmp_path):
         [f"checkpoint.load={ckpts}/iter_0000002", "parallel.dist_opt=true"],  # another optimizer type
     ],), timeout=180)
     assert results[0].startswith(f"error: cannot load checkpoint {ckpts}/iter_0000004")  # the integrity check
+    assert shard.name in results[0], results[0]  # the file that failed (its message's second line)
+    assert results[0].endswith(f"; an earlier complete checkpoint: {ckpts}/iter_0000002"), results[0]
     assert "hidden_size: checkpoint 128 vs config 64" in results[1]  # every differing field is named
     assert "ffn_hidden_size: checkpoint 352 vs config 176" in results[1]
     assert "saved with parallel.dist_opt=false but this run has parallel.dist_opt=true" in results[2]

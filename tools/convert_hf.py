@@ -168,7 +168,7 @@ def do_export(args) -> bool:
     from training.parallel import dist as D
 
     path = checkpoint.resolve_path(args.ckpt)
-    run = json.loads((path / checkpoint.RUN_FILE).read_text())
+    run = checkpoint.read_run(path)
     cfg = to_config(run["config"])
     cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)  # tp1 pp1: load reshards
     cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = None, str(path), True  # weights only

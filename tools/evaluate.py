@@ -102,6 +102,7 @@ def run(args) -> None:
     import torch
     from megatron.core import parallel_state as ps
 
+    from training import checkpoint
     from training.config.validate import validate
     from training.data.build import build_datasets
     from training.data.streams import micro_batch_streams, reads_data
@@ -112,7 +113,7 @@ def run(args) -> None:
     from training.parallel import dist as D
 
     cfg, shape, path = inference_config(args.ckpt, args.overrides, for_generation=False)
-    run_json = json.loads((path / "run.json").read_text())
+    run_json = checkpoint.read_run(path)
     if args.data:
         cfg.data.paths, cfg.data.weights = [args.data], None
     if args.text:  # one micro-batch per DP rank a step: the file's windows, in order

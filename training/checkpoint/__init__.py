@@ -20,7 +20,6 @@ that rank stops the run at once instead of leaving its peers waiting there until
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from training.checkpoint import fsdp_dtensor, torch_dist
@@ -35,6 +34,7 @@ from training.checkpoint.common import (
     is_complete,
     iter_dir,
     newest_complete,
+    read_run,
     resolve_load_path,
     resolve_path,
     saved_model_config,
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from training.engine.build import TrainState
 
 __all__ = ["LATEST", "RUN_FILE", "CheckpointError", "Start", "complete_checkpoints", "fsdp_weights_loader",
-           "is_complete", "iter_dir", "maybe_load", "newest_complete", "resolve_load_path", "resolve_path",
+           "is_complete", "iter_dir", "maybe_load", "newest_complete", "read_run", "resolve_load_path", "resolve_path",
            "save", "saved_model_config", "Saver"]
 
 
@@ -58,7 +58,7 @@ def maybe_load(cfg: Config, state: TrainState, announce=print0) -> Start:
     path, weights_only = resolve_load_path(cfg)
     if path is None:
         return Start()
-    run = json.loads((path / RUN_FILE).read_text())
+    run = read_run(path)
     check_compatible(run, state.shape)
     if not weights_only and run.get("weights_only"):
         raise CheckpointError(f"checkpoint {path} holds weights only (an import or conversion): load it with "

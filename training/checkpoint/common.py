@@ -13,6 +13,7 @@ and `latest` are written atomically (temp file + rename).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -143,9 +144,25 @@ def same_tp_pp(run: dict) -> bool:
 
 # --- errors ------------------------------------------------------------------------------------------------
 
-def describe(err: BaseException) -> str:
-    """`Type: the first line of its message`."""
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+def describe(err: BaseException, limit: int = 400) -> str:
+    """`Type: its message` on one line (its lines joined by " / ", at most `limit` characters): DCP's messages
+    name the file that failed on their second line."""
+    text = " / ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return f"{type(err).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def earlier(path: Path) -> str:
+    """"; an earlier complete checkpoint: DIR" when path's directory holds one older than path, else ""."""
+    older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
+    return f"; an earlier complete checkpoint: {older[0]}" if older else ""
+
+
+def read_run(path: Path) -> dict:
+    """A checkpoint's run.json (its config and progress), or one CheckpointError naming the file."""
+    try:
+        return json.loads((path / RUN_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot load checkpoint {path}: {RUN_FILE}: {describe(err)}{earlier(path)}") from None
 
 
 def _chain(err: BaseException, seen: set | None = None):
@@ -162,16 +179,17 @@ def _chain(err: BaseException, seen: set | None = None):
 
 
 @contextlib.contextmanager
-def loading(what: str):
+def loading(what: str, path: Path | None = None):
     """Read checkpoint files: nothing in them runs code (safe_load.py), and any failure becomes one
-    CheckpointError, "cannot load <what>: <cause>", the cause an UnsafeCheckpoint if one is in the chain."""
+    CheckpointError, "cannot load <what>: <cause>", the cause an UnsafeCheckpoint if one is in the chain, and
+    an earlier complete checkpoint beside `path` if there is one."""
     try:
         with safe_unpickling():
             yield
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - the files are not usable (DCP's exception
         # for a failure on some rank derives from BaseException, not Exception)
         cause = next((e for e in _chain(err) if isinstance(e, UnsafeCheckpoint)), err)
-        raise CheckpointError(f"cannot load {what}: {describe(cause)}") from err
+        raise CheckpointError(f"cannot load {what}: {describe(cause)}{earlier(path) if path else ''}") from err
 
 
 # --- the model and compatibility -----------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def load(cfg: Config, state: TrainState, path: Path, run: dict, weights_only: bo
                               f"{run['layout']['pp']}: resume a Megatron-FSDP checkpoint at the same TP and PP "
                               f"(the DP size may change)")
     same_ranks = run["layout"] == layout()
-    with loading(f"checkpoint {path}"):
+    with loading(f"checkpoint {path}", path):
         loaded = _read(state, path, rng.get_state() if same_ranks else None, {"iteration": 0, "consumed_samples": 0})
     if same_ranks:
         rng.set_state(loaded["rng_state"])
@@ -148,7 +148,7 @@ def load_full_weights(state: TrainState, path: Path) -> None:
     (chunk,) = state.model
     params = dict(unwrap(chunk).named_parameters())
     reader = dcp.FileSystemReader(str(path))
-    with loading(f"the weights of {path}"):  # the index (.metadata) is a pickle too
+    with loading(f"the weights of {path}", path):  # the index (.metadata) is a pickle too
         saved = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")]
     anchor = next(iter(params))
     prefix = next((k[len("model."): -len(anchor)] for k in saved if k.endswith("." + anchor)), None)
@@ -158,7 +158,7 @@ def load_full_weights(state: TrainState, path: Path) -> None:
                               f"not this model's checkpoint")
     model = {prefix + n: torch.empty(p.shape, dtype=torch.float32, device=p.device)
              for n, p in params.items()}  # [full shape] fp32: the saved main weights
-    with loading(f"the weights of {path}"):
+    with loading(f"the weights of {path}", path):
         dcp.load({"model": model}, storage_reader=reader)
     with torch.no_grad():
         for n, p in params.items():

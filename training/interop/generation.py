@@ -16,7 +16,6 @@ the same tokens. One model replica: world = tp x pp.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,7 +70,7 @@ def inference_config(ckpt: str | Path, overrides: list[str], for_generation: boo
     from training.config.schema import ParallelConfig, to_config
 
     path = checkpoint.resolve_path(ckpt)
-    run = json.loads((path / checkpoint.RUN_FILE).read_text())
+    run = checkpoint.read_run(path)
     saved = to_config({k: v for k, v in run["config"].items() if k != "model"})
     saved.model = checkpoint.saved_model_config(run)
     saved.parallel = ParallelConfig(timeout_minutes=saved.parallel.timeout_minutes)
