@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from chat_fixtures import chat_tokenizer
 from harness import run_distributed
 from layouts import assemble, global_name
 from runs import QUICK, train
@@ -232,12 +233,14 @@ def test_partial_corrupt_and_mismatched_checkpoints(tmp_path):
     assert results[2].endswith(f"; an earlier complete checkpoint: {ckpts}/iter_0000002"), results[2]
     shutil.rmtree(ckpts / "iter_0000003")
 
+    tokenizer = chat_tokenizer(tmp_path / "tokenizer")  # 256 bytes and a few special tokens: not `byte`
     shard = next((ckpts / "iter_0000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-64] + b"\0" * 64)
     (results,) = run_distributed(_load_each, 1, ([
         [f"checkpoint.load={ckpts}/iter_0000004"],  # a corrupted shard
         [f"checkpoint.load={ckpts}/iter_0000002", "model.hidden_size=64", "model.ffn_hidden_size=176"],
         [f"checkpoint.load={ckpts}/iter_0000002", "parallel.dist_opt=true"],  # another optimizer type
+        [f"checkpoint.load={ckpts}/iter_0000002", f"data.tokenizer={tokenizer}", "checkpoint.finetune=true"],
     ],), timeout=180)
     assert results[0].startswith(f"error: cannot load checkpoint {ckpts}/iter_0000004")  # the integrity check
     assert shard.name in results[0], results[0]  # the file that failed (its message's second line)
@@ -245,6 +248,9 @@ def test_partial_corrupt_and_mismatched_checkpoints(tmp_path):
     assert "hidden_size: checkpoint 128 vs config 64" in results[1]  # every differing field is named
     assert "ffn_hidden_size: checkpoint 352 vs config 176" in results[1]
     assert "saved with parallel.dist_opt=false but this run has parallel.dist_opt=true" in results[2]
+    assert results[3] == (f"error: checkpoint {ckpts}/iter_0000002 was written with the tokenizer byte, this run has "
+                          f"data.tokenizer={tokenizer}: its token ids stand for other text. Set data.tokenizer=byte "
+                          f"(and preprocess the data with it)")
 
 
 def test_keep_prunes_old_checkpoints_and_latest_is_atomic(tmp_path):

@@ -113,6 +113,8 @@ def do_import(args, overrides: list[str]) -> bool:
             setattr(cfg.model, key, value)
     cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)
     cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = str(Path(args.out).resolve()), None, False
+    if (hf_dir / "tokenizer.json").is_file() and "data.tokenizer" not in overridden:
+        cfg.data.tokenizer = str(hf_dir.resolve())  # run.json records it: a fine-tune with another one is refused
     validate(cfg, world_size=1)
     shape = ModelShape.of(cfg.model)
     preset = Path(args.preset_out) if args.preset_out else ROOT / "conf" / "model" / f"{cfg.model.name}.yaml"
@@ -133,9 +135,11 @@ def do_import(args, overrides: list[str]) -> bool:
                           + OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         select = f"model={preset.stem}" + ("" if preset.parent == ROOT / "conf" / "model" else
                                            f" 'hydra.searchpath=[file://{preset.parent.parent.resolve()}]'")
+        tokenizer = f" data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "byte" else ""
         print(f"imported {count / 1e6:.2f}M parameters in {time.perf_counter() - start:.1f} s: checkpoint "
               f"{cfg.checkpoint.dir}, preset {preset}\ntrain it with: {select} checkpoint.load={cfg.checkpoint.dir} "
-              f"checkpoint.finetune=true", flush=True)
+              f"checkpoint.finetune=true{tokenizer}" + ("" if tokenizer else f"\nnote: {hf_dir} has no tokenizer.json"
+              f": give data.tokenizer the model's when you preprocess and train (else text is byte ids)"), flush=True)
         return not args.check or check(state, cfg.model.vocab_size, cfg.model.seq_length, hf_dir,
                                        cfg.train.precision, args.tolerance)
 

@@ -30,6 +30,7 @@ from training.checkpoint.common import (
     CheckpointError,
     Start,
     check_compatible,
+    check_tokenizer,
     complete_checkpoints,
     is_complete,
     iter_dir,
@@ -59,6 +60,7 @@ def maybe_load(cfg: Config, state: TrainState, announce=print0) -> Start:
     if path is None:
         return Start()
     run = read_run(path)
+    check_tokenizer(run, cfg, path)  # first: another tokenizer is also why a vocabulary would differ
     check_compatible(run, state.shape)
     if not weights_only and run.get("weights_only"):
         raise CheckpointError(f"checkpoint {path} holds weights only (an import or conversion): load it with "

@@ -206,6 +206,21 @@ def saved_model_config(run: dict) -> ModelConfig:
     return to_config({"model": model}).model
 
 
+def check_tokenizer(run: dict, cfg: Config, path: Path) -> None:
+    """Refuse a checkpoint written with another tokenizer than this run's data.tokenizer (by content: a Hugging
+    Face tokenizer's name hashes its tokenizer.json): its token ids would stand for other text. A recorded path
+    that no longer exists (another machine) is not compared."""
+    from training.data.tokenizer import build_tokenizer
+
+    saved, mine = run.get("config", {}).get("data", {}).get("tokenizer", "byte"), cfg.data.tokenizer
+    if saved == mine or (saved != "byte" and not Path(saved).exists()):
+        return
+    if build_tokenizer(saved).name != build_tokenizer(mine).name:
+        raise CheckpointError(f"checkpoint {path} was written with the tokenizer {saved}, this run has "
+                              f"data.tokenizer={mine}: its token ids stand for other text. Set data.tokenizer={saved} "
+                              f"(and preprocess the data with it)")
+
+
 def check_compatible(run: dict, shape: ModelShape) -> None:
     """Refuse, naming every differing field, a checkpoint whose weights' shapes differ from the config's
     (the shape fields tagged "weights", resolved: ffn_hidden_size=null and 4h are the same)."""
