@@ -226,9 +226,12 @@ def test_partial_corrupt_and_mismatched_checkpoints(tmp_path):
     run_json.write_text(run_json.read_text()[:40])
     (results,) = run_distributed(_load_each, 1, ([[f"checkpoint.dir={ckpts}", "checkpoint.load=auto"],
                                                   [f"checkpoint.load={ckpts}/iter_0000006"],
-                                                  [f"checkpoint.load={ckpts}/iter_0000003"]],), timeout=180)
+                                                  [f"checkpoint.load={ckpts}/iter_0000003"],
+                                                  [f"checkpoint.load={ckpts.parent}"]],), timeout=180)  # the run dir
     assert results[0] == "loaded iteration 4"
     assert results[1].startswith("error: checkpoint") and "iter_0000006 is incomplete" in results[1]
+    assert results[1].endswith(f"; the newest complete one: {ckpts}/iter_0000004"), results[1]
+    assert results[3] == f"error: checkpoint {ckpts.parent} is a run dir, not a checkpoint: give {ckpts}"
     assert results[2].startswith(f"error: cannot load checkpoint {ckpts}/iter_0000003: run.json: JSONDecodeError: ")
     assert results[2].endswith(f"; an earlier complete checkpoint: {ckpts}/iter_0000002"), results[2]
     shutil.rmtree(ckpts / "iter_0000003")

@@ -121,8 +121,14 @@ def resolve_path(spec: str | Path) -> Path:
     if (path / LATEST).is_file():
         path = path / (path / LATEST).read_text().strip()
     if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path} is incomplete or not a checkpoint (no {RUN_FILE} / "
-                              f"{METADATA}: an interrupted save?); point checkpoint.load at a complete one")
+        inside = path / "checkpoints"  # a run dir, given for its checkpoint.dir
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {path}: no such directory")
+        if (inside / LATEST).is_file() or complete_checkpoints(inside):
+            raise CheckpointError(f"checkpoint {path} is a run dir, not a checkpoint: give {inside}")
+        complete = complete_checkpoints(path.parent) if path.name.startswith("iter_") else complete_checkpoints(path)
+        raise CheckpointError(f"checkpoint {path} is incomplete or not a checkpoint (no {RUN_FILE} / {METADATA}: an "
+                              f"interrupted save?)" + (f"; the newest complete one: {complete[0]}" if complete else ""))
     return path
 
 
