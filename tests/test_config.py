@@ -50,6 +50,8 @@ INVALID = {
     "activation-choice": (["model.activation=relu"], 1,
                           "model.activation: Invalid value 'relu', expected one of [gelu, swiglu]"),
     "fused-kernels-bool": (["model.fused_kernels=maybe"], 1, "model.fused_kernels: Value 'maybe' is not a valid bool"),
+    "comma-value": (["data.split=98,2,0"], 1, "data.split=98,2,0: a value with commas needs quotes (text, as "
+                                              "data.split: \"data.split='98,2,0'\") or brackets"),
     "unknown-group-option": (["model=lama"], 1, "model=lama: no such config in conf/model/ (did you mean llama_1b? "
                                                 "choose from gpt2_124m, llama2_7b,"),
     "unknown-key": (["model.num_experts=8"], 1,

@@ -28,6 +28,10 @@ def one_line(err: BaseException) -> str:
     message = (getattr(cause, "msg", None) or str(cause)).strip().splitlines()
     key = getattr(cause, "full_key", None)
     first = message[0] if message else type(cause).__name__
+    if ambiguous := re.fullmatch(r"Ambiguous value for argument '([^=]+)=(.*)'", first):  # Hydra's advice: below
+        key, value = ambiguous.groups()
+        return (f"{key}={value}: a value with commas needs quotes (text, as data.split: \"{key}='{value}'\") or "
+                f"brackets (a list: '{key}=[{value}]')")
     group = re.search(r"Could not find '(\w+)/([^']+)'", first)
     options = re.search(r"Available options in '\w+':\n((?:\t\S+\n?)+)", str(cause))
     if group and options:  # a config group's option that does not exist: Hydra lists the others on more lines
