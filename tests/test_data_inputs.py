@@ -1,6 +1,6 @@
 """tools/preprocess_data.py's inputs beyond plain text and JSON lines (training/data/sources.py): Parquet shard
-sets, a `datasets` save_to_disk folder, Arrow, gzip and zstd JSON lines each give the same dataset as the same
-documents in plain .jsonl; unknown or damaged inputs are one line; tools/merge_datasets.py joins parts into
+sets, a `datasets` save_to_disk folder, Arrow, CSV and TSV, gzip and zstd JSON lines each give the same dataset as
+the same documents in plain .jsonl; unknown or damaged inputs are one line; tools/merge_datasets.py joins parts into
 exactly what preprocessing their concatenation writes. In-process, CPU only (the training check on such a dataset
 is tests/test_end_to_end.py's preprocess-then-train run, which reads Parquet shards, a save_to_disk folder and a
 .jsonl.zst).
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
 import zstandard
@@ -80,6 +81,9 @@ def test_every_input_kind_writes_what_plain_jsonl_writes(tmp_path, monkeypatch, 
     (tmp_path / "ref.jsonl.zst").write_bytes(zst.compress(jsonl(DOCS)[:half]) + zst.compress(jsonl(DOCS)[half:]))
     (tmp_path / "ref.jsonl.gz").write_bytes(gzip.compress(jsonl(DOCS)))
     (tmp_path / "ref.txt.gz").write_bytes(gzip.compress("\n".join(DOCS[:5]).encode()))
+    table = pa.table({"id": list(range(len(DOCS))), "text": DOCS})  # a header row; quoted values (new lines, ")
+    pa_csv.write_csv(table, tmp_path / "ref.csv")
+    pa_csv.write_csv(table, tmp_path / "ref.tsv", pa_csv.WriteOptions(delimiter="\t"))
 
     def preprocess(name, *inputs, workers=1):
         args = ["--input", *map(str, inputs), "--output-prefix", str(tmp_path / name), "--tokenizer", "byte"]
@@ -92,13 +96,18 @@ def test_every_input_kind_writes_what_plain_jsonl_writes(tmp_path, monkeypatch, 
                                   ("saved", [tmp_path / "saved"], 1),
                                   ("arrow", [tmp_path / "saved" / "*.arrow"], 1),
                                   ("zst", [tmp_path / "ref.jsonl.zst"], 2),
-                                  ("gz", [tmp_path / "ref.jsonl.gz"], 1)]:
+                                  ("gz", [tmp_path / "ref.jsonl.gz"], 1),
+                                  ("csv", [tmp_path / "ref.csv"], 2),
+                                  ("tsv", [tmp_path / "ref.tsv"], 1)]:
         assert files_of(preprocess(name, *inputs, workers=workers)) == files_of(ref), name  # tokens, boundaries
     assert "from 3 file(s)" in capsys.readouterr().out.splitlines()[1]  # the Parquet glob: its 3 shards
     assert decoded(preprocess("gaps", tmp_path / "gaps.parquet")) == DOCS[:2]
     pq.write_table(pa.table({"text": ["not this"] * 3, "content": DOCS[:3]}), tmp_path / "content.parquet")
     assert decoded(preprocess("content", tmp_path / "content.parquet", "--json-key", "content")) == DOCS[:3]
     assert decoded(preprocess("text_gz", tmp_path / "ref.txt.gz")) == DOCS[:5]  # plain text, gzip-compressed
+    lines = [d.replace("word ", "word\n") for d in DOCS]  # quoted new lines across CSV blocks of ~CHUNK_BYTES
+    pa_csv.write_csv(pa.table({"text": lines}), tmp_path / "lines.csv")
+    assert decoded(preprocess("lines", tmp_path / "lines.csv")) == lines
 
     # Progress over every input: the bytes on disk it counts add up to the files' sizes (what its ETA uses).
     inputs = sources.resolve([str(tmp_path / "shards" / "*.parquet"), str(tmp_path / "saved"),
@@ -129,12 +138,14 @@ def test_unknown_or_damaged_inputs_are_one_line(tmp_path, capsys):
     for name, (content, _) in cases.items():
         (tmp_path / name).write_bytes(content)
     write_parquet(tmp_path / "body.parquet", DOCS[:2], body=DOCS[:2])
+    (tmp_path / "body.csv").write_text("id,body\n1,a document\n")
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     (tmp_path / "plain_folder").mkdir()
     (tmp_path / "dict").mkdir()
     (tmp_path / "dict" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
     cases = {name: expected for name, (_, expected) in cases.items()} | {
         "body.parquet --text-key content": ['no column "content" (its columns: id, text, body)', "--text-key"],
+        "body.csv --text-key content": ['no column "content" (its columns: id, body)', "--text-key"],
         "ints.parquet": ['column "text" holds int64, not text'],
         "plain_folder": ["without state.json", "a glob"],
         "dict": ["DatasetDict with splits train, test", "dict/train"],

@@ -75,7 +75,7 @@ def test_preprocess_errors_are_one_line_naming_the_input(tmp_path, capsys):
     cases = [  # (arguments, what the error must name)
         (["--input", str(tmp_path / "none*.txt")], ["none*.txt", "no file matches"]),
         (["--input", str(tmp_path / "blank.txt")], ["blank.txt", "no documents"]),
-        (["--input", str(tmp_path / "bad.jsonl"), "--workers", "2"], ["bad.jsonl:3", '"text"']),
+        (["--input", str(tmp_path / "bad.jsonl"), "--workers", "2"], ["bad.jsonl:3", '"text"', "its keys: body"]),
         (["--input", str(tmp_path / "blank.txt"), "--tokenizer", str(tmp_path / "tok.json")], ["tok.json"]),
     ]
     for args, expected in cases:

@@ -10,10 +10,11 @@
 
 Inputs (files in the order given, each glob's matches sorted; training/data/sources.py reads them): plain text
 (a document per line), .jsonl/.json (a JSON object per line, the document in --text-key), either compressed as
-.gz or .zst, .parquet and .arrow files (the --text-key column), and a Hugging Face `datasets` folder written by
-save_to_disk. Parquet, Arrow and .zst need `pip install -e '.[data]'`. Blank lines and empty documents are
-skipped; each document ends with the tokenizer's end-of-document token. PREFIX.json records the tokenizer, so
-training refuses to read the data with another one: train with `data.paths=[PREFIX] data.tokenizer=<the same>`.
+.gz or .zst, .parquet, .arrow and .csv/.tsv files (the --text-key column), and a Hugging Face `datasets` folder
+written by save_to_disk. Parquet, Arrow, CSV and .zst need `pip install -e '.[data]'`. Blank lines and empty
+documents are skipped; each document ends with the tokenizer's end-of-document token. PREFIX.json records the
+tokenizer, so training refuses to read the data with another one: train with `data.paths=[PREFIX]
+data.tokenizer=<the same>`.
 Parts preprocessed apart are joined with tools/merge_datasets.py.
 
 --format sft: conversations for fine-tuning (data.format=sft), a record per JSON line or Parquet/Arrow row:

@@ -14,7 +14,7 @@ from training.errors import ConfigError
 
 def texts(chunk) -> list[str]:
     """The chunk's documents: blank lines and empty or null documents skipped."""
-    if chunk.kind in ("parquet", "arrow"):
+    if chunk.kind in ("parquet", "arrow", "csv"):  # a column's values
         return [t for t in chunk.items if t]
     found = (line_text(chunk.path, n, line, chunk.kind == "jsonl", chunk.text_key)
              for n, line in enumerate(chunk.items, chunk.first))
@@ -36,8 +36,12 @@ def line_text(file: str, number: int, line: bytes, is_json: bool, text_key: str)
     if text is None or not is_json:
         return text
     record = _parsed(file, number, text)
-    if not isinstance(record, dict) or text_key not in record:
-        raise ConfigError(f"{file}:{number}: no \"{text_key}\" key (choose the field with --text-key)")
+    if not isinstance(record, dict):
+        raise ConfigError(f"{file}:{number}: a JSON {type(record).__name__}, not an object with a \"{text_key}\" key")
+    if text_key not in record:
+        fields = ", ".join(list(record)[:12]) or "none"
+        raise ConfigError(f"{file}:{number}: no \"{text_key}\" key (its keys: {fields}; choose the document's with "
+                          f"--text-key)")
     if not isinstance(record[text_key], str):
         raise ConfigError(f"{file}:{number}: \"{text_key}\" is a {type(record[text_key]).__name__}, "
                           f"not a string")

@@ -12,10 +12,12 @@ What is read (the kind comes from the name; the first bytes must agree, else one
   NAME.jsonl / NAME.json        one JSON object per line, the document in its `text_key` field
   NAME.<those>.gz / .zst        either, gzip- or zstd-compressed (zstd: the `zstandard` package)
   NAME.parquet                  the `text_key` column, one record batch (~1 MB of text) at a time
+  NAME.csv / NAME.tsv           the `text_key` column of a table with a header row (quoted values may hold
+                                commas and new lines), streamed the same way
   NAME.arrow                    the same from an Arrow IPC stream or file (what `datasets` writes)
   a folder                      a Hugging Face `datasets` folder from `save_to_disk`: the .arrow files its
                                 state.json lists, in that order (read with pyarrow; `datasets` is not needed)
-Parquet and Arrow need `pyarrow` (pip install -e '.[data]'). Empty and null documents are skipped.
+Parquet, Arrow and CSV need `pyarrow` (pip install -e '.[data]'). Empty and null documents are skipped.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from training.errors import ConfigError
 
 CHUNK_BYTES = 1 << 20  # text per worker task: amortises inter-process pickling, keeps progress smooth
 SUPPORTED = ("supported: plain text (a document per line), .jsonl/.json (a JSON object per line), either "
-             "compressed as .gz or .zst, .parquet, .arrow, or a `datasets` save_to_disk folder")
+             "compressed as .gz or .zst, .parquet, .arrow, .csv/.tsv (a header row), or a `datasets` save_to_disk "
+             "folder")
 MAGIC = {"gzip": (b"\x1f\x8b",), "zstd": (b"\x28\xb5\x2f\xfd",), "parquet": (b"PAR1",),
          "arrow": (b"ARROW1", b"\xff\xff\xff\xff")}
 WHAT = {"gzip": "gzip data", "zstd": "zstd data", "parquet": "Parquet data", "arrow": "Arrow data",
-        "text": "plain text", "jsonl": "JSON lines", "empty": "nothing (an empty file)"}
+        "text": "plain text", "jsonl": "JSON lines", "csv": "CSV", "empty": "nothing (an empty file)"}
+TABLES = ("parquet", "arrow", "csv")  # read with pyarrow, a column at a time
 RENAME = {"gzip": ".gz", "zstd": ".zst", "parquet": ".parquet", "arrow": ".arrow"}
 OTHER_MAGIC = {b"PK\x03\x04": "a zip archive", b"BZh": "bzip2 data", b"\xfd7zXZ\x00": "xz data"}
 
@@ -86,22 +90,26 @@ def file_source(path: str, text_key: str | None) -> Source:
     name = path.lower()
     compression = compressed.SUFFIXES.get(Path(name).suffix)
     inner = Path(name.removesuffix(Path(name).suffix) if compression else name).suffix
-    kind = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".json": "jsonl"}.get(inner, "text")
+    kind = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv",
+            ".tsv": "csv"}.get(inner, "text")
     with open(path, "rb") as f:
         head = f.read(4096)
     found = _content(head)
     expected = compression or kind
-    if found != expected and not (found in ("text", "empty") and expected in ("text", "jsonl")):
+    if found != expected and not (found in ("text", "empty") and expected in ("text", "jsonl", "csv")):
         hint = f" (name it {RENAME[found]})" if found in RENAME and expected in ("text", "jsonl") else ""
         raise ConfigError(f"{path}: holds {WHAT.get(found, found)}, but its name says {WHAT[expected]}{hint}; "
                           f"{SUPPORTED}")
-    if compression and kind in ("parquet", "arrow"):
+    if compression and kind in TABLES:
         raise ConfigError(f"{path}: compressed {WHAT[kind]} (decompress it first); {SUPPORTED}")
+    if kind == "csv" and text_key is None:
+        raise ConfigError(f"{path}: CSV holds no conversations (messages are nested): --format sft reads JSON lines, "
+                          f"Parquet, Arrow or a save_to_disk folder")
     if kind == "text" and text_key is None:
         raise ConfigError(f"{path}: plain text holds no conversations: --format sft reads JSON lines (.jsonl: "
                           f"\"messages\", or \"prompt\" and \"completion\"), Parquet, Arrow or a save_to_disk folder")
-    if kind in ("parquet", "arrow"):
-        _check_column(path, _schema(path, kind), text_key)
+    if kind in TABLES:
+        _check_column(path, _schema(path, kind, text_key), text_key)
     return Source(path, kind, compression, os.path.getsize(path))
 
 
@@ -165,18 +173,33 @@ def _damaged(path: str, kind: str, err: Exception) -> ConfigError:
     return ConfigError(f"{path}: damaged {WHAT[kind]} ({reason}); {SUPPORTED}")
 
 
-def _schema(path: str, kind: str):
+def _schema(path: str, kind: str, text_key: str | None = None):
     pa = _pyarrow(path)
     try:
         if kind == "parquet":
             import pyarrow.parquet as pq
             return pq.read_schema(path)
+        if kind == "csv":
+            with pa.OSFile(path) as f:
+                return _open_csv(f, path, text_key).schema
         with pa.OSFile(path) as f, _open_arrow(pa, f) as reader:
             return reader.schema
     except (pa.ArrowException, OSError) as err:
         if isinstance(err, OSError) and err.errno is not None:
             raise
         raise _damaged(path, kind, err) from None
+
+
+def _open_csv(f, path: str, text_key: str | None):
+    """A CSV (a TSV by its name) with a header row, read batch by batch; the text column as strings (a column
+    of numbers is text too), quoted values may span lines."""
+    import pyarrow as pa
+    import pyarrow.csv as csv
+
+    tab = path.lower().removesuffix(".tsv") != path.lower()
+    return csv.open_csv(f, read_options=csv.ReadOptions(block_size=CHUNK_BYTES),  # a batch per ~CHUNK_BYTES
+                        parse_options=csv.ParseOptions(delimiter="\t" if tab else ",", newlines_in_values=True),
+                        convert_options=csv.ConvertOptions(column_types={text_key: pa.string()} if text_key else None))
 
 
 def _open_arrow(pa, f):
@@ -260,7 +283,7 @@ def _arrow_chunks(index: int, source: Source, text_key: str | None):
                       for b in parquet.iter_batches(batch_size=batch, columns=columns))
             position = lambda row: round(source.size * row / rows)  # noqa: E731 - the footer gives no offsets
         else:
-            reader = _open_arrow(pa, f)
+            reader = _open_csv(f, source.path, text_key) if source.kind == "csv" else _open_arrow(pa, f)
             batches = reader if hasattr(reader, "read_next_batch") else map(reader.get_batch,
                                                                                  range(reader.num_record_batches))
             columns = [text_key] if text_key is not None else record_columns(source.path, reader.schema.names)
