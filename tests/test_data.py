@@ -181,7 +181,8 @@ def _ids_beyond_the_vocabulary(prefix: Path):
     ("c", _ids_beyond_the_vocabulary, "95,5,0", ["holds token id 300", "vocabulary (257 ids)"]),
     ("c", lambda c: Path(f"{c}.bin").write_bytes(b""), "95,5,0", ["c.bin is empty"]),
     ("c", lambda c: Path(f"{c}.idx").unlink(), "95,5,0", ["c.bin exists but", "c.idx is missing"]),
-    ("c", _written_by_another_tokenizer, "95,5,0", ["vocab 50257", "byte (vocab 257"]),
+    ("c", _written_by_another_tokenizer, "95,5,0", ["vocab 50257", "byte (vocab 257",
+                                                  "set data.tokenizer to the tokenizer it was written with"]),
     ("c", None, "99,1,0", ["valid split", "(10 documents)", "99,1,0"]),  # round(10 * 0.01) = 0 documents
 ])
 def test_dataset_errors_name_the_file_and_numbers(tmp_path, prefix, damage, split, expected):

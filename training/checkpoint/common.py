@@ -239,10 +239,10 @@ def check_compatible(run: dict, shape: ModelShape) -> None:
 
 
 def _brief(value):
-    """A layer list shown by its distinct entries (it repeats one dict per layer)."""
+    """A layer list shown by its length and distinct entries (it repeats one dict per layer)."""
     if isinstance(value, (list, tuple)):
         distinct = [dict(t) for t in dict.fromkeys(tuple(sorted(d.items())) for d in value)]
-        return distinct[0] if len(distinct) == 1 else distinct
+        return f"{len(value)} x {distinct[0]}" if len(distinct) == 1 else f"{len(value)} of {distinct}"
     return value
 
 

@@ -141,7 +141,10 @@ def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None, data_for
         raise ConfigError(
             f"data.paths: {prefix} was written with tokenizer {written[0]} (vocab {written[1]}, eod "
             f"{written[2]}) but data.tokenizer is {tokenizer.name} (vocab {tokenizer.vocab_size}, eod "
-            f"{tokenizer.eod}): re-run tools/preprocess_data.py with the same tokenizer")
+            f"{tokenizer.eod}): " + ("set data.tokenizer=byte, or " if written[0] == "byte" else
+                                     "set data.tokenizer to the tokenizer it was written with (its name is the "
+                                     "hash of that tokenizer.json), or ") + "re-run tools/preprocess_data.py "
+            "with data.tokenizer's")
 
 
 def _read_index(idx_file: Path):

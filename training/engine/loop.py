@@ -91,7 +91,8 @@ def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
         saved_at = iteration if r.start.resumed else None  # the iteration already on disk
         if iteration >= t.iters:
             D.print0(f"nothing to train: the checkpoint is at iteration {iteration} >= train.iters={t.iters} "
-                     f"(raise train.iters to continue)")
+                     f"(raise train.iters to continue)" if r.start.resumed else
+                     f"nothing to train: train.iters={t.iters}")
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's, after a rank died
         if restarts:
             D.print0(f"restart {restarts} (launch MAX_RESTARTS): resumed at iteration {iteration}")
