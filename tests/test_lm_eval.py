@@ -11,6 +11,8 @@ tp1 (main() in that process); the tool then runs at tp2 on 2 processes of its ow
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -110,8 +112,16 @@ def _reference(root: str) -> dict:
                          batch_size=1, device="cpu", log_samples=True, bootstrap_iters=0,
                          task_manager=TaskManager(include_path=[FIXTURES, f"{root}/tasks"], include_defaults=False))
     assert evaluate.main(tool_args(run / "checkpoints", Path(root) / "tp1.json")) == 0
+    hub = Path(root) / "hub_task"  # a task whose dataset is on the Hub, offline: one line, exit 2
+    hub.mkdir()
+    yaml = (ROOT / FIXTURES / "tiny_choice.yaml").read_text().replace("tiny_choice", "tiny_hub")
+    (hub / "tiny_hub.yaml").write_text(yaml.replace("dataset_path: json", "dataset_path: allenai/ai2_arc\n"
+                                                                          "dataset_name: ARC-Easy"))
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        offline = evaluate.main(["--ckpt", str(run / "checkpoints"), "--tasks", "tiny_hub", "--include-path",
+                                 str(hub)])
     return {"hf": json.loads(json.dumps(hf, default=handle_non_serializable)),
-            "tp1": json.loads((Path(root) / "tp1.json").read_text())}
+            "tp1": json.loads((Path(root) / "tp1.json").read_text()), "offline": (offline, err.getvalue())}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +142,13 @@ def scored(tmp_path_factory):
 def responses(result: dict, task: str) -> list:
     """Per document (by doc_id): lm-eval's responses to its requests (one per choice, window sum or text)."""
     return [s["filtered_resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def test_a_task_on_the_hub_offline_is_one_line(scored):
+    code, err = scored["offline"]  # the last line (lm-eval warns about the YAML's metrics before)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: --tasks tiny_hub: a task's dataset could not be fetched (") \
+        and "--include-path" in last and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2"])

@@ -213,9 +213,14 @@ def run_tasks(args) -> None:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         lm = CheckpointLM(load_model(cfg, shape, info.device), tokenizer, info.device, shape.seq_length,
                           args.batch_size, args.max_gen_toks, args.seed)
-        results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-                                  task_manager=manager, log_samples=args.log_samples,
-                                  bootstrap_iters=args.bootstrap_iters, random_seed=args.seed)
+        try:
+            results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+                                      task_manager=manager, log_samples=args.log_samples,
+                                      bootstrap_iters=args.bootstrap_iters, random_seed=args.seed)
+        except ConnectionError as err:  # `datasets`: the Hub unreachable, or offline (HF_DATASETS_OFFLINE)
+            raise ConfigError(f"--tasks {args.tasks}: a task's dataset could not be fetched ({err}): run it once "
+                              f"where the Hugging Face Hub is reachable (the datasets cache, HF_HOME, then serves it "
+                              f"offline), or give a task YAML over local files (--include-path)") from None
         if os.environ.get("RANK", "0") != "0":
             return
         results["config"].update(checkpoint=str(path), layout=f"tp {p.tp} pp {p.pp}", max_length=shape.seq_length)
