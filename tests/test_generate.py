@@ -82,6 +82,16 @@ def test_seeded_sampling_is_reproducible_and_the_same_at_tp2(imported):
     assert [line["new_ids"] for line in other] != [line["new_ids"] for line in first]
 
 
+def test_a_layout_that_does_not_fit_nproc_is_the_last_line_exit_2(imported):
+    """--nproc 2 with tp 3: the worker's error is the last line (not torch's "Terminating process ..." of its peer)."""
+    ckpt, _ = imported
+    proc = subprocess.run([sys.executable, "tools/generate.py", "--ckpt", str(ckpt), "--prompt", "x", "--nproc", "2",
+                           "parallel.tp=3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: generation runs one model replica: 2 processes but parallel.tp * pp = 3 * 1 = 3 (start tp * pp "
+        "processes: --nproc 3)"), proc.stderr[-2000:]
+
+
 def _cache_vs_recompute(variants: dict) -> dict:
     """For each model variant: the last position's logits at every step of a greedy continuation, once with
     the KV cache (prefill, then one token a step) and once recomputing the whole sequence."""

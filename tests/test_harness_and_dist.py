@@ -1,5 +1,6 @@
 """The multi-process test harness and distributed init/teardown (training/parallel/dist.py)."""
 
+import os
 import time
 
 import pytest
@@ -78,3 +79,31 @@ def test_world_size_not_divisible_is_one_line():
     assert "\n" not in str(err.value) and "world size 6" in str(err.value) and "4 * 1 = 4" in str(err.value)
     with pytest.raises(LaunchError, match=r"tp \* pp \* cp = 1 \* 1 \* 4 = 4"):
         check_layout(Layout(6, cp=4))
+
+
+def _exits(code: int, after: float, marker: str | None = None) -> None:
+    time.sleep(after)
+    if marker:
+        open(marker, "w").write("printed")  # what a rank's error line would be
+    raise SystemExit(code)
+
+
+def test_a_tools_workers_end_on_their_own_before_the_first_failure_is_reported(tmp_path):
+    """training/parallel/launch_local.wait_all: rank 1 fails first, rank 0 (which prints an error raised on every
+    rank) ends 2 s later and is not killed before; a peer that never ends is terminated after the grace."""
+    import multiprocessing
+
+    from training.parallel.launch_local import wait_all
+
+    fork = multiprocessing.get_context("fork")
+    marker = str(tmp_path / "rank0")
+    workers = [fork.Process(target=_exits, args=(2, 2.0, marker)), fork.Process(target=_exits, args=(2, 0.0))]
+    for worker in workers:
+        worker.start()
+    assert wait_all(workers) == 2 and os.path.exists(marker)
+    workers = [fork.Process(target=_exits, args=(0, 600.0)), fork.Process(target=_exits, args=(3, 0.0))]
+    for worker in workers:
+        worker.start()
+    started = time.monotonic()
+    assert wait_all(workers, grace=1.0) == 3 and workers[0].exitcode == -15
+    assert time.monotonic() - started < 60  # the grace, not the peer's 600 s
