@@ -5,6 +5,7 @@ checkpoint: tests/test_checkpoint.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from runs import QUICK, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +53,14 @@ def test_training_overlaps_the_write_and_kill_9_mid_write_keeps_latest(tmp_path)
         assert (ckpts / "latest").read_text().strip() == "iter_0000002"
         assert not (ckpts / "iter_0000004" / "run.json").exists()
         assert job.poll() is None
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)  # every process of the job: launcher, torchrun, ranks, writers
+    finally:  # kill -9 of every process of the job: torchrun runs in its own session, the ranks and their writers
+        tree = psutil.Process(job.pid).children(recursive=True)  # in theirs: the launcher's group is not enough
+        os.killpg(job.pid, signal.SIGKILL)
+        for process in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         job.wait(timeout=60)
+        psutil.wait_procs(tree, timeout=60)
     log_text = (tmp_path / "job.log").read_text()
     assert "saving checkpoint" in log_text and "in the background" in log_text, log_text[-2000:]
     assert (ckpts / "latest").read_text().strip() == "iter_0000002"

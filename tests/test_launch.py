@@ -226,9 +226,11 @@ def test_two_nodes_on_one_machine_train_together(tmp_path):
         for node in nodes:
             node.kill()
     assert nodes[0].returncode == 2 and nodes[1].returncode != 0, "\n".join(outputs)
-    for rank, output in enumerate(outputs):
+    for rank, output in enumerate(outputs):  # node 1's ranks may be stopped before their line, when node 0's
+        # torchrun ended first (a loaded machine): then its summary says so
         assert (f"the job has 3 processes but the launcher checked the config for {2 * (rank + 1)} (NNODES x NPROC; "
-                f"this node runs {rank + 1}): start every node with the same NPROC") in output, output
+                f"this node runs {rank + 1}): start every node with the same NPROC") in output or (
+            rank == 1 and "node 0's torchrun ended" in output), output
 
 
 SLURM_FAKES = ROOT / "tests" / "fixtures" / "fake_slurm"  # srun, scancel (every process of the step), scontrol, squeue

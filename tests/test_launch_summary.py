@@ -90,12 +90,13 @@ def wait_for(path: Path, job: subprocess.Popen, log: Path) -> None:
 
 
 def finish(started: dict) -> dict[str, tuple[int, str, float]]:
-    """{case: (exit code, output, the time.time() it ended)}, waiting for every job at once."""
+    """{case: (exit code, output, the time.time() it ended: its log's last write, the summary line; a job may end
+    long before this starts waiting)}, waiting for every job at once."""
     ended, deadline = {}, time.monotonic() + DEADLINE
     while len(ended) < len(started) and time.monotonic() < deadline:
-        for case, (job, _, _) in started.items():
+        for case, (job, _, log) in started.items():
             if case not in ended and job.poll() is not None:
-                ended[case] = time.time()
+                ended[case] = log.stat().st_mtime
         time.sleep(0.2)
     for job, _, _ in started.values():
         if job.poll() is None:
