@@ -260,6 +260,22 @@ def test_preflight_reports_on_cpu_and_stops_what_cannot_fit(tmp_path, capsys):
         check(est, capacity_bytes=int(est.total) + 1, fraction=0.5, model="tiny")
 
 
+def test_preflight_warns_on_cpu_when_the_nodes_processes_exceed_its_memory(tmp_path, capsys, monkeypatch):
+    """The helper's seq_length=100000 run: 2 x 17 GB on a 23 GB machine ended as a bare signal 9."""
+    from training.config.validate import validate
+    from training.estimate import preflight as P
+
+    cfg = compose(["model=tiny"])
+    est = P.preflight(cfg, validate(cfg, 1), ModelShape.of(cfg.model, 257), torch.device("cpu"), tmp_path)
+    assert "preflight warning" not in capsys.readouterr().out  # 1 process of the tiny model fits any machine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(P, "_host_memory", lambda: 1.5 * est.total)
+    P.preflight(cfg, validate(cfg, 1), ModelShape.of(cfg.model, 257), torch.device("cpu"), tmp_path)
+    out = capsys.readouterr().out
+    assert f"preflight warning: by the estimate this node's 2 process(es) need {2 * est.total / 1e9:.1f} GB" in out
+    assert "the kernel may kill a rank (signal 9)" in out, out
+
+
 def test_plan_lists_expert_parallel_layouts_for_mixtral():
     """tools/plan.py model=mixtral_8x7b: EP layouts with their memory per GPU, and the architecture's count."""
     cmd = [sys.executable, str(ROOT / "tools/plan.py"), "--json", "model=mixtral_8x7b", "train.precision=bf16",

@@ -73,6 +73,24 @@ def environment(device: torch.device) -> dict:
     return report
 
 
+def host_memory_warning(per_process: float, processes: int, host: float | None) -> str | None:
+    """On CPU: a warning when this node's processes need more than its memory by the estimate (a lower bound
+    there), the out-of-memory killer's signal 9 being the only word otherwise."""
+    if host is None or per_process * processes <= host:
+        return None
+    return (f"by the estimate this node's {processes} process(es) need {per_process * processes / GB:.1f} GB "
+            f"({per_process / GB:.1f} GB each, a lower bound on CPU), more than its {host / GB:.1f} GB of memory: the "
+            f"kernel may kill a rank (signal 9); lower model.seq_length or train.micro_batch_size, or set "
+            f"model.recompute=full")
+
+
+def _host_memory() -> float | None:
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def check(est: Estimate, capacity_bytes: int | None, fraction: float, model: str) -> None:
     """ConfigError when the estimate exceeds the device's memory x train.max_memory_fraction."""
     if capacity_bytes is None:
@@ -100,6 +118,8 @@ def preflight(cfg: Config, layout: Layout, shape: ModelShape, device: torch.devi
         f"; budget {capacity * cfg.train.max_memory_fraction / GB:.1f} GB of {capacity / GB:.1f} GB"
     print0(f"preflight: {est.summary()}{budget or '; CPU: reported, not enforced'}")
     report = environment(device)
+    if capacity is None and (warning := host_memory_warning(est.total, report["local_world_size"], _host_memory())):
+        report["warnings"].append(warning)
     for warning in report["warnings"]:
         print0(f"preflight warning: {warning}")
     if is_rank0():
