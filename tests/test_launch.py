@@ -191,43 +191,41 @@ def test_shellcheck_is_clean():
     assert done.returncode == 0, done.stdout
 
 
-@pytest.mark.slow
-def test_two_nodes_on_one_machine_train_together(tmp_path):
-    """Two launch/multinode.sh processes (NPROC=1 each) meet at a c10d rendezvous and train as dp=2."""
-    env = launch_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NPROC="1",
-                     RUN_DIR=str(tmp_path / "run"), LOCAL_ADDR="127.0.0.1")
-    args = [str(ROOT / "launch/multinode.sh"), "train.iters=4", "checkpoint=none", *TINY_RUN]
-    nodes = [subprocess.Popen(args, env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
+def two_nodes(args: list[str], env: dict, extra=lambda rank: {}) -> tuple[list[int], list[str]]:
+    """`args` as node 0 and node 1 at once (env, NODE_RANK and extra(rank)): their exit codes and outputs."""
+    nodes = [subprocess.Popen(args, env={**env, "NODE_RANK": str(rank), **extra(rank)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:
         outputs = [node.communicate(timeout=300)[0] for node in nodes]
     finally:
         for node in nodes:
             node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+    return [node.returncode for node in nodes], outputs
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_train_together(tmp_path):
+    """Two launch/multinode.sh processes (NPROC=1 each) meet at a c10d rendezvous and train as dp=2."""
+    env = launch_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NPROC="1",
+                     RUN_DIR=str(tmp_path / "run"), LOCAL_ADDR="127.0.0.1")
+    args = [str(ROOT / "launch/multinode.sh"), "train.iters=4", "checkpoint=none", *TINY_RUN]
+    codes, outputs = two_nodes(args, env)
+    assert codes == [0, 0], "\n".join(outputs)
     assert "world 2 = tp 1 x pp 1 x dp 2" in "".join(outputs)
-    lines = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 4
+    assert len((tmp_path / "run/metrics.jsonl").read_text().splitlines()) == 4
     # each node's own log holds what it printed once its config check passed (rank 0 may be on either node)
     logs = [(tmp_path / f"run/logs/node{rank}.log").read_text() for rank in (0, 1)]
     assert all(output.endswith(log) for output, log in zip(outputs, logs))
     assert sum(log.count("\n iter ") for log in logs) == 4, logs
     assert (tmp_path / "run/flight_recorder").is_dir()  # NCCL's dumps on a timeout land beside the run
 
-    # a node started with another NPROC (a config valid at both its world sizes): torchrun makes a world of 3
-    # that no node checked; every rank refuses it. Node 0 hosts the store: its exit ends node 1's torchrun too
+    # a node started with another NPROC (valid at both its world sizes): torchrun makes a world of 3 that no node
+    # checked; every rank refuses it. Node 0 hosts the store: its exit ends node 1's torchrun too (whose ranks may
+    # be stopped before their line on a loaded machine: then its summary says node 0's torchrun ended)
     env["MASTER_PORT"] = str(free_port())
-    nodes = [subprocess.Popen([*args, "train.global_batch_size=8"], env={**env, "NODE_RANK": str(rank),
-                                                                         "NPROC": str(rank + 1)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert nodes[0].returncode == 2 and nodes[1].returncode != 0, "\n".join(outputs)
-    for rank, output in enumerate(outputs):  # node 1's ranks may be stopped before their line, when node 0's
-        # torchrun ended first (a loaded machine): then its summary says so
+    codes, outputs = two_nodes([*args, "train.global_batch_size=8"], env, lambda rank: {"NPROC": str(rank + 1)})
+    assert codes[0] == 2 and codes[1] != 0, "\n".join(outputs)
+    for rank, output in enumerate(outputs):
         assert (f"the job has 3 processes but the launcher checked the config for {2 * (rank + 1)} (NNODES x NPROC; "
                 f"this node runs {rank + 1}): start every node with the same NPROC") in output or (
             rank == 1 and "node 0's torchrun ended" in output), output

@@ -12,8 +12,7 @@ What is read (the kind comes from the name; the first bytes must agree, else one
   NAME.jsonl / NAME.json        one JSON object per line, the document in its `text_key` field
   NAME.<those>.gz / .zst        either, gzip- or zstd-compressed (zstd: the `zstandard` package)
   NAME.parquet                  the `text_key` column, one record batch (~1 MB of text) at a time
-  NAME.csv / NAME.tsv           the `text_key` column of a table with a header row (quoted values may hold
-                                commas and new lines), streamed the same way
+  NAME.csv / NAME.tsv           the same from a table with a header row (quoted values may span lines)
   NAME.arrow                    the same from an Arrow IPC stream or file (what `datasets` writes)
   a folder                      a Hugging Face `datasets` folder from `save_to_disk`: the .arrow files its
                                 state.json lists, in that order (read with pyarrow; `datasets` is not needed)
@@ -31,12 +30,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from training.data import compressed
+from training.data.tables import open_arrow, open_csv
 from training.errors import ConfigError
 
 CHUNK_BYTES = 1 << 20  # text per worker task: amortises inter-process pickling, keeps progress smooth
 SUPPORTED = ("supported: plain text (a document per line), .jsonl/.json (a JSON object per line), either "
-             "compressed as .gz or .zst, .parquet, .arrow, .csv/.tsv (a header row), or a `datasets` save_to_disk "
-             "folder")
+             "compressed as .gz or .zst, .parquet, .arrow, .csv/.tsv, or a `datasets` save_to_disk folder")
 MAGIC = {"gzip": (b"\x1f\x8b",), "zstd": (b"\x28\xb5\x2f\xfd",), "parquet": (b"PAR1",),
          "arrow": (b"ARROW1", b"\xff\xff\xff\xff")}
 WHAT = {"gzip": "gzip data", "zstd": "zstd data", "parquet": "Parquet data", "arrow": "Arrow data",
@@ -48,7 +47,7 @@ OTHER_MAGIC = {b"PK\x03\x04": "a zip archive", b"BZh": "bzip2 data", b"\xfd7zXZ\
 
 class Source(NamedTuple):
     path: str
-    kind: str                # text | jsonl | parquet | arrow
+    kind: str                # text | jsonl | parquet | arrow | csv
     compression: str | None  # None | gzip | zstd (text and jsonl only)
     size: int                # bytes on disk: what progress and its ETA count
 
@@ -102,11 +101,8 @@ def file_source(path: str, text_key: str | None) -> Source:
                           f"{SUPPORTED}")
     if compression and kind in TABLES:
         raise ConfigError(f"{path}: compressed {WHAT[kind]} (decompress it first); {SUPPORTED}")
-    if kind == "csv" and text_key is None:
-        raise ConfigError(f"{path}: CSV holds no conversations (messages are nested): --format sft reads JSON lines, "
-                          f"Parquet, Arrow or a save_to_disk folder")
-    if kind == "text" and text_key is None:
-        raise ConfigError(f"{path}: plain text holds no conversations: --format sft reads JSON lines (.jsonl: "
+    if kind in ("text", "csv") and text_key is None:
+        raise ConfigError(f"{path}: {WHAT[kind]} holds no conversations: --format sft reads JSON lines (.jsonl: "
                           f"\"messages\", or \"prompt\" and \"completion\"), Parquet, Arrow or a save_to_disk folder")
     if kind in TABLES:
         _check_column(path, _schema(path, kind, text_key), text_key)
@@ -181,32 +177,13 @@ def _schema(path: str, kind: str, text_key: str | None = None):
             return pq.read_schema(path)
         if kind == "csv":
             with pa.OSFile(path) as f:
-                return _open_csv(f, path, text_key).schema
-        with pa.OSFile(path) as f, _open_arrow(pa, f) as reader:
+                return open_csv(f, path, text_key, CHUNK_BYTES).schema
+        with pa.OSFile(path) as f, open_arrow(pa, f) as reader:
             return reader.schema
     except (pa.ArrowException, OSError) as err:
         if isinstance(err, OSError) and err.errno is not None:
             raise
         raise _damaged(path, kind, err) from None
-
-
-def _open_csv(f, path: str, text_key: str | None):
-    """A CSV (a TSV by its name) with a header row, read batch by batch; the text column as strings (a column
-    of numbers is text too), quoted values may span lines."""
-    import pyarrow as pa
-    import pyarrow.csv as csv
-
-    tab = path.lower().removesuffix(".tsv") != path.lower()
-    return csv.open_csv(f, read_options=csv.ReadOptions(block_size=CHUNK_BYTES),  # a batch per ~CHUNK_BYTES
-                        parse_options=csv.ParseOptions(delimiter="\t" if tab else ",", newlines_in_values=True),
-                        convert_options=csv.ConvertOptions(column_types={text_key: pa.string()} if text_key else None))
-
-
-def _open_arrow(pa, f):
-    """An Arrow IPC file (ARROW1 ...) or stream (what `datasets` writes), read batch by batch."""
-    magic = f.read(6)
-    f.seek(0)
-    return pa.ipc.open_file(f) if magic == b"ARROW1" else pa.ipc.open_stream(f)
 
 
 def _check_column(path: str, schema, text_key: str | None) -> None:
@@ -283,7 +260,7 @@ def _arrow_chunks(index: int, source: Source, text_key: str | None):
                       for b in parquet.iter_batches(batch_size=batch, columns=columns))
             position = lambda row: round(source.size * row / rows)  # noqa: E731 - the footer gives no offsets
         else:
-            reader = _open_csv(f, source.path, text_key) if source.kind == "csv" else _open_arrow(pa, f)
+            reader = open_csv(f, source.path, text_key, CHUNK_BYTES) if source.kind == "csv" else open_arrow(pa, f)
             batches = reader if hasattr(reader, "read_next_batch") else map(reader.get_batch,
                                                                                  range(reader.num_record_batches))
             columns = [text_key] if text_key is not None else record_columns(source.path, reader.schema.names)
@@ -303,7 +280,6 @@ def _arrow_chunks(index: int, source: Source, text_key: str | None):
                 done = at
             row += len(array)
         yield Chunk(index, source.path, row + 1, source.kind, text_key, [], source.size - done, 0)
-
 
 
 def _text_bytes(pc, array) -> int:
