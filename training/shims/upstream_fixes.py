@@ -57,15 +57,12 @@ import torch
 
 RESULTS_QUEUE_MODULES = ("megatron.core.dist_checkpointing.strategies.filesystem_async",
                          "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async")
-_managers: list[SyncManager] = []
 
 
 def pipeline_p2p_settings(pp: int, vpp: int | None) -> dict:
     """TransformerConfig p2p fields: batched for plain 1F1B, overlapped (unbatched) when interleaved."""
     interleaved = pp > 1 and vpp is not None
     return {"overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
-
-
 
 
 def mark_expert_params(chunk) -> None:
@@ -145,8 +142,7 @@ def _queue_getter(module):
         if module._results_queue is None:
             manager = SyncManager(ctx=multiprocessing.get_context(mp_mode))
             manager.start(initializer=_die_with, initargs=(os.getpid(),))
-            _managers.append(manager)  # the queue's proxy keeps it too; kept here for clarity
-            module._results_queue = manager.Queue()
+            module._results_queue = manager.Queue()  # its proxy keeps the manager alive
         return module._results_queue
 
     get_write_results_queue.dies_with_the_rank = True
