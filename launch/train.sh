@@ -10,7 +10,7 @@
 #   NPROC        processes on this node (default: number of GPUs, or 2 without GPUs)
 #   RUN_DIR      run directory shared by all ranks (default: outputs/<date>/<time>; a hydra.run.dir=...
 #                override wins)
-#   MASTER_PORT  rendezvous port (default: a free one)
+#   MASTER_PORT  rendezvous port (default: a free one below the kernel's ephemeral range)
 #   MAX_RESTARTS times torchrun restarts every rank after one dies (default 0); each restart resumes from the
 #                newest complete checkpoint (checkpoint.load=auto)
 #   PYTHON       interpreter (default: .venv/bin/python if present, else python3)
@@ -24,10 +24,13 @@ source launch/common.sh
 NPROC="${NPROC:-$(default_nproc)}"
 run_dir_override="$(override_value hydra.run.dir "$@")"  # the user's hydra.run.dir=... wins (Hydra's last)
 RUN_DIR="${run_dir_override:-${RUN_DIR:-outputs/$(date +%Y-%m-%d/%H-%M-%S)}}"  # one clock read: no midnight split
+# A port the user gives must be free (one line if not); one picked here was free a moment ago, and is left to
+# torchrun's bind: checking it again could only find it taken in between and blame the user for it.
+user_port="${MASTER_PORT:-}"
 MASTER_PORT="${MASTER_PORT:-$(free_port)}"
 
 require_uint NPROC MASTER_PORT
-check_config "$NPROC" "$MASTER_PORT" "$@"
+check_config "$NPROC" "$user_port" "$@"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 require_uint MAX_RESTARTS
 # the c10d rendezvous (not torchrun's static one): each restart gets a fresh store, so restarted ranks

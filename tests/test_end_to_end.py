@@ -91,3 +91,18 @@ def test_preprocess_then_train_on_your_own_text(tmp_path):
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in train] == [10, 20, 30, 40]
     assert train[-1]["loss"] < 0.9 * train[0]["loss"], [r["loss"] for r in train]
+
+
+def test_four_launches_at_once_each_pick_a_port_and_train(tmp_path):
+    """Four launch/train.sh jobs started together without MASTER_PORT (a CI box running several, a user's two
+    terminals) each pick their own rendezvous port and train: the launcher's own pick never fails the run (it
+    once failed as 'MASTER_PORT=38483 is not free' when another process took it between pick and check)."""
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    procs = [subprocess.Popen(["launch/train.sh", "train.iters=1", "train.eval_interval=0", "train.tensorboard=false",
+                               "checkpoint=none", "train.global_batch_size=8"],
+                              cwd=ROOT, env=dict(env, NPROC="2", RUN_DIR=str(tmp_path / f"run{i}")),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(4)]
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    for i, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"job {i}: " + out[-3000:]
+        assert [json.loads(line)["iteration"] for line in (tmp_path / f"run{i}" / "metrics.jsonl").open()] == [1]
