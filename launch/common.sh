@@ -122,7 +122,8 @@ run_or_print() {
   # a second signal (the user's second Ctrl-C, a scheduler's during the save at the stop) is relayed the same way;
   # the summary names the first
   trap 'stopped=${stopped:-TERM}; pkill -TERM -P "$launched" || kill -TERM "$launched" 2>/dev/null || true' TERM
-  trap 'stopped=${stopped:-INT}; pkill -TERM -P "$launched" || kill -TERM "$launched" 2>/dev/null || true' INT
+  # Ctrl-C reaches the ranks as SIGINT (their stop handler takes both): the ranks' line and the summary name one signal
+  trap 'stopped=${stopped:-INT}; pkill -INT -P "$launched" || kill -INT "$launched" 2>/dev/null || true' INT
   wait "$launched" || status=$?
   while kill -0 "$launched" 2>/dev/null; do  # a relayed signal interrupted wait: wait on
     status=0

@@ -76,7 +76,7 @@ class Stopper:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.received = signum
+        self.received = self.received or signum  # the first names the stop, as in the launcher's summary
 
     def should_stop(self, iteration: int) -> bool:
         local = 0
