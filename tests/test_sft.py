@@ -57,6 +57,7 @@ def test_best_fit_places_every_item_once_within_capacity():
     assert len(bins) <= int(np.ceil(lengths.sum() / 16 * 1.1)), (len(bins), lengths.sum() / 16)
 
 
+@pytest.mark.fast
 def test_packing_is_seeded_complete_and_counts_the_overlong():
     data = conversations([turns(*c) for c in ((5, 2), (9, 4), (30, 3), (1, 0), (18, 5), (12, 6), (3, 1))])
     packed = PackedConversations(data, SEQ, seed=7, num_samples=6, eod=0, overlong="truncate")
@@ -68,12 +69,22 @@ def test_packing_is_seeded_complete_and_counts_the_overlong():
     assert (packed.truncated, packed.dropped) == (2, 1)  # 30 and 18 tokens fill more than 16 positions
     dropped = PackedConversations(data, SEQ, seed=7, num_samples=2, eod=0, overlong="drop")
     assert dropped.dropped == 3 and 2 not in np.concatenate(dropped.samples)
-    sample = packed[0]
-    segments, positions = sample["segment_ids"], sample["position_ids"]
-    for segment in segments.unique().tolist():
-        if segment:  # each conversation's positions count from 0
-            assert positions[segments == segment].tolist() == list(range(int((segments == segment).sum())))
-    assert sample["loss_mask"][segments == 0].sum() == 0
+    # a sequence that packs several conversations: each one's span, in order, as it would be alone
+    index = max(range(len(packed)), key=lambda i: len(packed.samples[i]))
+    held = packed.samples[index].tolist()
+    assert len(held) >= 2, [s.tolist() for s in packed.samples]
+    sample, at = packed[index], 0
+    for segment, conversation in enumerate(held, 1):
+        n = min(int(data.lengths[conversation]), SEQ + 1) - 1  # positions it fills: cut to SEQ + 1 tokens
+        ids, mask = data.get(conversation, n + 1)
+        span = slice(at, at + n)
+        assert sample["segment_ids"][span].tolist() == [segment] * n, (segment, sample["segment_ids"])
+        assert sample["position_ids"][span].tolist() == list(range(n)), (segment, sample["position_ids"])
+        assert sample["tokens"][span].tolist() == ids[:-1].tolist() and sample["labels"][span].tolist() == \
+            ids[1:].tolist()
+        assert sample["loss_mask"][span].tolist() == mask[1:].tolist()
+        at += n
+    assert (sample["segment_ids"][at:] == 0).all() and sample["loss_mask"][at:].sum() == 0  # padding
 
 
 def _model_checks(model_options: list[list[str]]) -> list[dict]:

@@ -199,6 +199,42 @@ def test_tool_round_trip_jsonl_arrow_parquet_one_or_two_workers(tokenizers, tmp_
     check_prefix(str(prefix), plain, plain.vocab_size, data_format="sft")  # what training checks
 
 
+# Alpaca's records and the messages they stand for, written out by hand: the user turn is the instruction, a
+# newline and the input (LLaMA-Factory's and axolotl's join), the instruction alone for an empty or missing input.
+ALPACA = [
+    ({"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"},
+     [{"role": "user", "content": "Translate to French.\nGood morning"}, {"role": "assistant", "content": "Bonjour"}]),
+    ({"instruction": "Name a primary colour.", "input": "", "output": "Red."},
+     [{"role": "user", "content": "Name a primary colour."}, {"role": "assistant", "content": "Red."}]),
+    ({"instruction": "Say hi.", "output": "Hi!"},
+     [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]),
+    ({"system": "Be terse.", "instruction": "Sum them.", "input": "2, 3\n", "output": "5"},
+     [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Sum them.\n2, 3\n"},
+      {"role": "assistant", "content": "5"}]),
+    ({"instruction": None, "input": None, "output": None}, []),  # empty: skipped and counted, as {"messages": []}
+]
+
+
+def test_alpaca_records_preprocess_to_their_messages(tokenizers, tmp_path, capsys):
+    tool = load_tool()
+    (tmp_path / "alpaca.jsonl").write_text("".join(json.dumps(a) + "\n" for a, _ in ALPACA))
+    (tmp_path / "messages.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for _, m in ALPACA))
+    columns = ("instruction", "input", "output", "system")  # Parquet: nulls where a record has no such field
+    pq.write_table(pa.table({"id": range(len(ALPACA)), **{c: [a.get(c) for a, _ in ALPACA] for c in columns}}),
+                   tmp_path / "alpaca.parquet")
+    for style, directory in tokenizers.items():  # ChatML keeps a trailing newline that Llama 3's template trims
+        written = {}
+        for name in ("alpaca.jsonl", "alpaca.parquet", "messages.jsonl"):
+            prefix = tmp_path / style / name.replace(".", "_")
+            assert tool.main(["--format", "sft", "--input", str(tmp_path / name), "--output-prefix", str(prefix),
+                              "--tokenizer", directory]) == 0, capsys.readouterr().err
+            written[name] = {s: Path(f"{prefix}{s}").read_bytes() for s in sft_write.SFT_SUFFIXES}
+        assert json.loads(written["messages.jsonl"][".json"])["dropped"] == 1
+        for name in ("alpaca.jsonl", "alpaca.parquet"):  # the same token ids, loss mask and counts
+            for suffix, data in written["messages.jsonl"].items():
+                assert written[name][suffix] == data, (style, name, suffix)
+
+
 def test_tool_refuses_bad_records_and_tokenizers_in_one_line(tokenizers, tmp_path, capsys):
     tool = load_tool()
     (tmp_path / "noanswer.jsonl").write_text(json.dumps({"messages": SINGLE}) + "\n\n"
@@ -206,6 +242,10 @@ def test_tool_refuses_bad_records_and_tokenizers_in_one_line(tokenizers, tmp_pat
     rows = [SINGLE, SINGLE, [{"role": "tool", "content": "{}"}, *SINGLE]]
     pq.write_table(pa.table({"messages": rows}), tmp_path / "role.parquet")
     (tmp_path / "content.jsonl").write_text(json.dumps({"prompt": "Q?", "completion": 42}) + "\n")
+    (tmp_path / "input.jsonl").write_text(json.dumps({"instruction": "Add.", "input": [1, 2], "output": "3"}) + "\n")
+    pq.write_table(pa.table({"instruction": ["A?", "B?"], "output": ["a", "b"], "history": [[], [["Q?", "q"]]]}),
+                   tmp_path / "history.parquet")
+    (tmp_path / "keys.jsonl").write_text(json.dumps({"question": "Q?", "answer": "A."}) + "\n")
     (tmp_path / "plain.txt").write_text("a document\n")
     pq.write_table(pa.table({"text": ["a"]}), tmp_path / "cols.parquet")
     bare = tmp_path / "bare"
@@ -215,6 +255,10 @@ def test_tool_refuses_bad_records_and_tokenizers_in_one_line(tokenizers, tmp_pat
         ("noanswer.jsonl", tokenizers["chatml"], ["noanswer.jsonl:3:", "no assistant turn", "roles: user"]),
         ("role.parquet", tokenizers["llama3"], ["role.parquet:3:", "role 'tool'", "system, user, assistant"]),
         ("content.jsonl", tokenizers["llama3"], ["content.jsonl:1:", "(assistant) has content of type int"]),
+        ("input.jsonl", tokenizers["llama3"], ["input.jsonl:1:", '"input" is a list, not a string']),
+        ("history.parquet", tokenizers["llama3"], ["history.parquet:2:", 'Alpaca\'s "history"', '"messages"']),
+        ("keys.jsonl", tokenizers["llama3"], ["keys.jsonl:1:", 'nor Alpaca\'s "instruction" and "output"',
+                                              "its keys: question, answer"]),
         ("plain.txt", tokenizers["llama3"], ["plain.txt", "plain text holds no conversations"]),
         ("cols.parquet", tokenizers["llama3"], ["cols.parquet", 'no "messages" (or "conversations") column',
                                                 "its columns: text"]),

@@ -19,8 +19,10 @@ Parts preprocessed apart are joined with tools/merge_datasets.py.
 
 --format sft: conversations for fine-tuning (data.format=sft), a record per JSON line or Parquet/Arrow row:
 {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}, ShareGPT's {"conversations": [{"from":
-"system"|"human"|"gpt", "value": ...}, ...]}, or {"prompt": ..., "completion": ...} (and an optional "system"),
-rendered with the chat template of --tokenizer (a Hugging Face tokenizer directory).
+"system"|"human"|"gpt", "value": ...}, ...]}, {"prompt": ..., "completion": ...}, or Alpaca's {"instruction": ...,
+"input": ..., "output": ...} (the user turn: the instruction, a newline and the input, or the instruction alone when
+the input is empty; these two take an optional "system"), rendered with the chat template of --tokenizer (a Hugging
+Face tokenizer directory).
 Writes PREFIX.bin/.idx (each conversation's token ids, nothing appended), PREFIX.mask.bin/.idx (1 on the assistant's
 tokens: the loss targets) and PREFIX.json; empty records are skipped and counted (training/data/chat.py).
 

@@ -7,9 +7,11 @@ sft; the training side, packing and loss: training/data/sft.py).
     # writing them: training/data/sft_write.py (PREFIX.bin/.idx, PREFIX.mask.bin/.idx, PREFIX.json)
 
 A record is {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}, ShareGPT's {"conversations":
-[{"from": "system"|"human"|"gpt", "value": str}, ...]}, or {"prompt": str, "completion": str} (with an optional
-"system": str, its system message). The ids are the template's rendering of
-the whole conversation, tokenized once (add_special_tokens=False: the template writes its own BOS), exactly
+[{"from": "system"|"human"|"gpt", "value": str}, ...]}, {"prompt": str, "completion": str}, or Alpaca's
+{"instruction": str, "input": str, "output": str} (the user turn: the instruction, a newline and the input, or the
+instruction alone when the input is empty or missing, as LLaMA-Factory and axolotl join them); the last two take an
+optional "system": str, its system message. The ids are the template's rendering of the whole conversation,
+tokenized once (add_special_tokens=False: the template writes its own BOS), exactly
 tokenizer.apply_chat_template(messages). The mask comes from renderings, not from guessing the template's markup:
 assistant turn i's answer is the text between the rendering of messages[:i] with the generation prompt and that
 of messages[:i + 1] (its content and end-of-turn, e.g. `<|eot_id|>`, or `<|im_end|>` and a newline), and a token
@@ -37,6 +39,7 @@ from training.errors import ConfigError
 SHAREGPT = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 ROLES = ("system", "user", "assistant")  # what every chat template renders (tool calls: not supported)
 REASONING = re.compile(r"\s*<think>[\s\S]*?</think>\s*")  # a leading reasoning block (Qwen3, QwQ, DeepSeek-R1)
+PAIRS = (("prompt", "completion"), ("instruction", "output"))  # one user turn and one answer: Alpaca's second
 PROBE = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "Fine, thanks."}]
 
 
@@ -115,8 +118,8 @@ class ChatTokenizer:
 
 def conversation(record, file: str, line: int) -> list[dict] | None:
     """A record (a JSON line's object, a Parquet/Arrow row's dict) -> [{"role", "content"}, ...]; None for an empty
-    record (null or [] messages, null prompt and completion: skipped and counted as dropped); a one-line error
-    naming file:line for anything else that is not a conversation with an answer."""
+    record (null or [] messages, null prompt and completion, or instruction and output: skipped and counted as
+    dropped); a one-line error naming file:line for anything else that is not a conversation with an answer."""
     where = f"{file}:{line}"
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: a {type(record).__name__}, not a JSON object with \"messages\" (or \"prompt\" "
@@ -130,15 +133,16 @@ def conversation(record, file: str, line: int) -> list[dict] | None:
         if key == "conversations":  # ShareGPT: {"from": "human" | "gpt" | "system", "value": ...}
             turns = [{"role": SHAREGPT.get(t.get("from"), t.get("from")), "content": t.get("value")}
                      if isinstance(t, dict) and "from" in t else t for t in turns]
-    elif "prompt" in record or "completion" in record:
-        if record.get("prompt") is None and record.get("completion") is None:
+    elif pair := next((p for p in PAIRS if p[0] in record or p[1] in record), None):
+        if record.get(pair[0]) is None and record.get(pair[1]) is None:
             return None
         system = [] if record.get("system") is None else [{"role": "system", "content": record["system"]}]
-        turns = system + [{"role": "user", "content": record.get("prompt")},
-                          {"role": "assistant", "content": record.get("completion")}]
+        prompt = record.get(pair[0]) if pair[0] == "prompt" else alpaca_prompt(record, where)
+        turns = system + [{"role": "user", "content": prompt}, {"role": "assistant", "content": record.get(pair[1])}]
     elif "messages" not in record and "conversations" not in record:
         raise ConfigError(f"{where}: no \"messages\" (or ShareGPT's \"conversations\"), nor \"prompt\" and "
-                          f"\"completion\" (its keys: {', '.join(map(str, record)) or 'none'})")
+                          f"\"completion\", nor Alpaca's \"instruction\" and \"output\" (its keys: "
+                          f"{', '.join(map(str, record)) or 'none'})")
     else:
         return None
     if not turns:
@@ -151,6 +155,19 @@ def conversation(record, file: str, line: int) -> list[dict] | None:
         raise ConfigError(f"{where}: starts with the assistant: a chat template renders a prompt before an answer; "
                           f"begin with a user (or system) message")
     return messages
+
+
+def alpaca_prompt(record: dict, where: str):
+    """Alpaca's user turn: the instruction, a newline and the input where there is one (null, missing or "": the
+    instruction alone). LLaMA-Factory's and axolotl's chat join; torchtune's AlpacaToMessages instead wraps both in
+    the original "Below is an instruction ... ### Response:" prompt, which a chat template makes redundant."""
+    instruction, extra = record.get("instruction"), record.get("input")
+    if record.get("history"):  # LLaMA-Factory's earlier [[instruction, output], ...]: not dropped silently
+        raise ConfigError(f"{where}: Alpaca's \"history\" (earlier turns) is not read: write this record as "
+                          f"\"messages\" (a user and an assistant message per turn)")
+    if extra is not None and not isinstance(extra, str):
+        raise ConfigError(f"{where}: \"input\" is a {type(extra).__name__}, not a string")
+    return f"{instruction}\n{extra}" if extra and isinstance(instruction, str) else instruction
 
 
 def _message(turn, k: int, where: str) -> dict:

@@ -5,7 +5,8 @@
         decode.texts(chunk)                # its documents (str), decoded where the worker pool runs
                                            # (training/data/decode.py)
 text_key=None reads whole records instead (--format sft: conversations): JSON lines, or Parquet/Arrow's "messages"
-column (else "prompt" and "completion", with "system" where there is one), decode.records(chunk) in the workers.
+column (else "prompt" and "completion", or Alpaca's "instruction", "input" and "output", with "system" where there is
+one), decode.records(chunk) in the workers.
 
 What is read (the kind comes from the name; the first bytes must agree, else one line says what the file is):
   any name but those below      plain text, one document per line (blank lines skipped)
@@ -203,14 +204,17 @@ def _check_column(path: str, schema, text_key: str | None) -> None:
 
 def record_columns(path: str, names: list[str]) -> list[str]:
     """The columns of a conversation (--format sft): "messages" (or ShareGPT's "conversations"), else "prompt" and
-    "completion" (and "system")."""
+    "completion", else Alpaca's "instruction" and "output" (and "input", "history"); each with "system" where there is
+    one."""
     for key in ("messages", "conversations"):
         if key in names:
             return [key]
-    if "prompt" in names and "completion" in names:
-        return ["prompt", "completion", *(["system"] if "system" in names else [])]
-    raise ConfigError(f"{path}: no \"messages\" (or \"conversations\") column, nor \"prompt\" and \"completion\" "
-                      f"(its columns: {', '.join(names)}): --format sft reads conversations")
+    for pair in (("prompt", "completion"), ("instruction", "output", "input", "history")):
+        if pair[0] in names and pair[1] in names:
+            return [c for c in (*pair, "system") if c in names]
+    raise ConfigError(f"{path}: no \"messages\" (or \"conversations\") column, nor \"prompt\" and \"completion\", "
+                      f"nor \"instruction\" and \"output\" (its columns: {', '.join(names)}): --format sft reads "
+                      f"conversations")
 
 
 # ---------------------------------------------------------------------------------------------- reading
