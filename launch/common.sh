@@ -58,11 +58,12 @@ free_port() {
 }
 
 # check_config WORLD_SIZE PORT OVERRIDES...: validate the composed config for WORLD_SIZE processes
-# before starting any (one line per problem); PORT, when not empty, must be free on this host.
+# before starting any (one line per problem); PORT, when not empty, must be free on this host. RUN_DIR, when
+# set, is where checkpoint.load=auto looks. It creates nothing: a refused run leaves no run dir.
 check_config() {
   local world="$1" port="$2"
   shift 2
-  WORLD_SIZE="$world" "$PYTHON" tools/check_config.py ${port:+--port "$port"} "$@"
+  WORLD_SIZE="$world" "$PYTHON" tools/check_config.py ${port:+--port "$port"} ${RUN_DIR:+--run-dir "$RUN_DIR"} "$@"
 }
 
 # override_value KEY ARGS...: the value the last KEY=... (or +KEY=, ++KEY=) among the Hydra overrides ARGS sets

@@ -84,8 +84,8 @@ def test_check_config_names_each_missing_tokenizer_and_checkpoint(tmp_path, caps
     code, lines = check_config(capsys, "--nproc", "3", "parallel.tp=2")
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: world size 3 is not divisible"), lines
     code, lines = check_config(capsys, "--bogus", "parallel.tp=2")
-    assert code == 2 and lines == ["error: unknown option --bogus: tools/check_config.py takes --nproc and --port; "
-                                   "the other arguments are Hydra overrides (key=value)"], lines
+    assert code == 2 and lines == ["error: unknown option --bogus: tools/check_config.py takes --nproc, --port and "
+                                   "--run-dir; the other arguments are Hydra overrides (key=value)"], lines
 
 
 @pytest.mark.fast

@@ -20,8 +20,6 @@ that rank stops the run at once instead of leaving its peers waiting there until
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from training.checkpoint import fsdp_dtensor, torch_dist
 from training.checkpoint.background import Saver
 from training.checkpoint.common import (
@@ -29,8 +27,8 @@ from training.checkpoint.common import (
     RUN_FILE,
     CheckpointError,
     Start,
-    check_compatible,
-    check_tokenizer,
+    TrainState,
+    check_match,
     complete_checkpoints,
     is_complete,
     iter_dir,
@@ -45,9 +43,6 @@ from training.config.schema import Config
 from training.parallel import fsdp
 from training.parallel.dist import print0
 
-if TYPE_CHECKING:
-    from training.engine.build import TrainState
-
 __all__ = ["LATEST", "RUN_FILE", "CheckpointError", "Start", "complete_checkpoints", "fsdp_weights_loader",
            "is_complete", "iter_dir", "maybe_load", "newest_complete", "read_run", "resolve_load_path", "resolve_path",
            "save", "saved_model_config", "Saver"]
@@ -60,11 +55,7 @@ def maybe_load(cfg: Config, state: TrainState, announce=print0) -> Start:
     if path is None:
         return Start()
     run = read_run(path)
-    check_tokenizer(run, cfg, path)  # first: another tokenizer is also why a vocabulary would differ
-    check_compatible(run, state.shape)
-    if not weights_only and run.get("weights_only"):
-        raise CheckpointError(f"checkpoint {path} holds weights only (an import or conversion): load it with "
-                              f"checkpoint.finetune=true")
+    check_match(run, cfg, state.shape, path, weights_only)  # the tokenizer, the model, weights only
     return fmt(cfg, path).load(cfg, state, path, run, weights_only, announce)
 
 

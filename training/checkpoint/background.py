@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
 from training.checkpoint import agreement, saving, torch_dist
-from training.checkpoint.common import iter_dir
+from training.checkpoint.common import TrainState, iter_dir
 from training.config.schema import Config
 from training.parallel.dist import print0
-
-if TYPE_CHECKING:
-    from training.engine.build import TrainState
 
 
 class Saver:

@@ -1,5 +1,6 @@
-"""What both checkpoint formats share: the run directory, run.json, the layout record, the one load-error
-wrapper, the model's state-dict keys and the compatibility checks.
+"""What both checkpoint formats share: the state they save (TrainState), the run directory, run.json, the layout
+record, the one load-error wrapper, the model's state-dict keys and the compatibility checks (whose rules,
+readable from the files before any process, are training/config/checkpoint_match.py's).
 
     <checkpoint.dir>/iter_0000010/   the format's files (its own metadata.json) + run.json, written last
     <checkpoint.dir>/latest          "iter_0000010": the newest complete checkpoint
@@ -19,21 +20,34 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from megatron.core import parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models.shape import WEIGHTS, ModelShape
+from models.shape import ModelShape
 from training.checkpoint.safe_load import UnsafeCheckpoint, safe_unpickling
+from training.config import checkpoint_match
+from training.config.checkpoint_match import complete_checkpoints, follow_latest, match_problems, saved_model_config
 from training.config.paths import LATEST, METADATA, RUN_FILE, is_complete
-from training.config.schema import Config, ModelConfig, to_config
+from training.config.schema import Config
 from training.errors import TemplateError
 from training.parallel.dist import print0
 
 
 class CheckpointError(TemplateError):
     pass
+
+
+class TrainState(Protocol):
+    """What a checkpoint saves and loads: training/engine/build.py's TrainState is one (declared here, below the
+    engine, so that checkpoint/ never imports it)."""
+
+    model: list[Any]  # this rank's model chunks (DDP- or FSDP-wrapped; bare when built without training)
+    optimizer: Any  # Megatron-Core's optimizer (or its ChainedOptimizer); None when built without training
+    scheduler: Any  # OptimizerParamScheduler, or None
+    shape: ModelShape  # the resolved sizes (models/shape.py)
 
 
 @dataclass(frozen=True)
@@ -50,14 +64,6 @@ class Start:
 
 def iter_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete iter_* directories, newest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("iter_*") if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: p.name, reverse=True)
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -86,40 +92,20 @@ def prune(root: Path, keep: int) -> None:
 
 
 def newest_complete(root: Path) -> Path | None:
-    """The checkpoint `latest` names if it is complete, else the newest complete one, else None."""
-    candidates = complete_checkpoints(root)
-    latest = root / LATEST
-    if latest.is_file():
-        named = root / latest.read_text().strip()
-        if not is_complete(named):
-            print0(f"warning: {latest} names {named}, which is incomplete; using the newest complete one")
-        elif named in candidates:
-            return named
-    return candidates[0] if candidates else None
+    """The checkpoint `latest` names if it is complete (else a warning), else the newest complete one, else None."""
+    return checkpoint_match.newest_complete(root, print0)
 
 
 def resolve_load_path(cfg: Config) -> tuple[Path | None, bool]:
-    """checkpoint.load -> (the iter_* directory to load or None to start fresh, weights only?).
-
-    With checkpoint.finetune the weights of checkpoint.load start the run, unless checkpoint.dir
-    already holds this run's own checkpoint: then a restarted (requeued) fine-tune resumes itself."""
-    spec, own = cfg.checkpoint.load, None
-    if cfg.checkpoint.dir is not None:
-        own = newest_complete(Path(cfg.checkpoint.dir))
-    if cfg.checkpoint.finetune:
-        return (own, False) if own is not None else (resolve_path(spec), True)
-    if spec is None:
-        return None, False
-    if spec == "auto":
-        return own, False
-    return resolve_path(spec), False
+    """checkpoint.load -> (the iter_* directory to load or None to start fresh, weights only?): the rules of
+    training/config/checkpoint_match.py load_target; a path must name a complete checkpoint."""
+    path, weights_only = checkpoint_match.load_target(cfg, print0)
+    return (None if path is None else resolve_path(path)), weights_only
 
 
 def resolve_path(spec: str | Path) -> Path:
     """A checkpoint path: an iter_* directory, or a checkpoint.dir (its `latest`); must be complete."""
-    path = Path(spec)
-    if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+    path = follow_latest(Path(spec))
     if not is_complete(path):
         inside = path / "checkpoints"  # a run dir, given for its checkpoint.dir
         if not path.exists():
@@ -205,45 +191,14 @@ def model_keys(chunks: list) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
-def saved_model_config(run: dict) -> ModelConfig:
-    """A checkpoint's model config (run.json) on today's schema: fields added since take their defaults;
-    fused_kernels, a run setting that was a string (auto/on/off) before it became a bool, is left out."""
-    model = {k: v for k, v in run["config"]["model"].items() if k != "fused_kernels"}
-    return to_config({"model": model}).model
-
-
-def check_tokenizer(run: dict, cfg: Config, path: Path) -> None:
-    """Refuse a checkpoint written with another tokenizer than this run's data.tokenizer (by content: a Hugging
-    Face tokenizer's name hashes its tokenizer.json): its token ids would stand for other text. A recorded path
-    that no longer exists (another machine) is not compared."""
+def check_match(run: dict, cfg: Config, shape: ModelShape, path: Path, weights_only: bool) -> None:
+    """Refuse a checkpoint written with another tokenizer, whose model differs from the config's (every field
+    named), or that holds weights only without checkpoint.finetune (training/config/checkpoint_match.py, the
+    rules tools/check_config.py applies before the launch)."""
     from training.data.tokenizer import build_tokenizer
 
-    saved, mine = run.get("config", {}).get("data", {}).get("tokenizer", "byte"), cfg.data.tokenizer
-    if saved == mine or (saved != "byte" and not Path(saved).exists()):
-        return
-    if build_tokenizer(saved).name != build_tokenizer(mine).name:
-        raise CheckpointError(f"checkpoint {path} was written with the tokenizer {saved}, this run has "
-                              f"data.tokenizer={mine}: its token ids stand for other text. Set data.tokenizer={saved} "
-                              f"(and preprocess the data with it)")
-
-
-def check_compatible(run: dict, shape: ModelShape) -> None:
-    """Refuse, naming every differing field, a checkpoint whose weights' shapes differ from the config's
-    (the shape fields tagged "weights", resolved: ffn_hidden_size=null and 4h are the same)."""
-    saved = ModelShape.of(saved_model_config(run), run["vocab_size"]).fields_of(WEIGHTS)
-    current = shape.fields_of(WEIGHTS)
-    differ = [f"{k}: checkpoint {_brief(saved[k])} vs config {_brief(current[k])}"
-              for k in current if saved[k] != current[k]]
-    if differ:
-        raise CheckpointError("the model in the config does not match the checkpoint's: " + "; ".join(differ))
-
-
-def _brief(value):
-    """A layer list shown by its length and distinct entries (it repeats one dict per layer)."""
-    if isinstance(value, (list, tuple)):
-        distinct = [dict(t) for t in dict.fromkeys(tuple(sorted(d.items())) for d in value)]
-        return f"{len(value)} x {distinct[0]}" if len(distinct) == 1 else f"{len(value)} of {distinct}"
-    return value
+    if problems := match_problems(run, cfg, shape, path, weights_only, build_tokenizer):
+        raise CheckpointError("\n".join(problems))
 
 
 def check_same_optimizer(cfg: Config, run: dict, path: Path) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,13 +28,10 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import prep
 from torch.distributed.tensor import DTensor
 
 from training.checkpoint import rng
-from training.checkpoint.common import CheckpointError, Start, layout, loading, same_tp_pp
+from training.checkpoint.common import CheckpointError, Start, TrainState, layout, loading, same_tp_pp
 from training.config.schema import Config
 from training.parallel import fsdp
 from training.parallel.wrap import unwrap
-
-if TYPE_CHECKING:
-    from training.engine.build import TrainState
 
 FORMAT = "fsdp_dtensor"
 METADATA = {"sharded_backend": FORMAT, "writer": "torch.distributed.checkpoint"}

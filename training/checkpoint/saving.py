@@ -15,7 +15,6 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -24,6 +23,7 @@ from training.checkpoint.common import (
     LATEST,
     RUN_FILE,
     CheckpointError,
+    TrainState,
     atomic_write,
     iter_dir,
     layout,
@@ -33,9 +33,6 @@ from training.checkpoint.common import (
 from training.config.schema import Config
 from training.parallel import fsdp
 from training.parallel.dist import print0
-
-if TYPE_CHECKING:
-    from training.engine.build import TrainState
 
 
 def fmt(cfg: Config, path: Path | None = None):

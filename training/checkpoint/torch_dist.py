@@ -13,21 +13,17 @@ common.loading (restricted unpicklers: training/checkpoint/safe_load.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.nvrx import has_nvrx_async_support
 
 from training.checkpoint import rng
-from training.checkpoint.common import Start, check_same_optimizer, loading, model_keys, same_tp_pp
+from training.checkpoint.common import Start, TrainState, check_same_optimizer, loading, model_keys, same_tp_pp
 from training.config.schema import Config
 from training.parallel.dist import print0
 from training.parallel.wrap import unwrap
 from training.shims import upstream_fixes
-
-if TYPE_CHECKING:
-    from training.engine.build import TrainState
 
 # Background writes: nvidia-resiliency-ext's implementation where installed (NGC containers), else Megatron-Core's
 # own ("mcore": a forked writer per save; deprecated upstream in favour of nvrx, still the one the synchronous

@@ -1,8 +1,8 @@
 """The files a config names, checked before any process starts (tools/check_config.py, which the launch scripts
-run before torchrun, and training/engine/entry.py on every rank): each data.paths prefix's .bin and .idx,
-data.tokenizer's file, checkpoint.load's checkpoint. Pure filesystem checks, no Megatron-Core import. A relative
-path is relative to the working directory, as the run reads it (Hydra does not change it; the launch scripts
-run from the repository root).
+run before torchrun, and training/engine/entry.py on every rank): each data.paths prefix's .bin and .idx and the
+format its PREFIX.json records against data.format, data.tokenizer's file, checkpoint.load's checkpoint. Pure
+filesystem checks, no Megatron-Core import. A relative path is relative to the working directory, as the run
+reads it (Hydra does not change it; the launch scripts run from the repository root).
 
     problems = path_problems(cfg)   # one line per problem, naming the path; [] = all there
     check_paths(cfg)                # the same, raised as one ConfigError
@@ -10,6 +10,7 @@ run from the repository root).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from training.config.schema import Config
@@ -43,6 +44,33 @@ def prefix_problem(prefix: str) -> str | None:
         if file.stat().st_size == 0:
             return f"data.paths: {file} is empty: re-run tools/preprocess_data.py"
     return None
+
+
+def prefix_meta(prefix: str) -> dict | None:
+    """PREFIX.json, which tools/preprocess_data.py writes beside the data (tokenizer, format, counts); None for a
+    dataset another tool made (it has none); a ConfigError naming the file when it is not JSON."""
+    meta_file = Path(f"{prefix}.json")
+    if not meta_file.exists():
+        return None
+    try:
+        return json.loads(meta_file.read_text())
+    except ValueError as err:
+        raise ConfigError(f"data.paths: {meta_file} is not valid JSON ({err})") from err
+
+
+def format_problem(prefix: str, data_format: str) -> str | None:
+    """The format PREFIX.json records (`sft`: conversations, written by --format sft; else documents) against
+    data.format (training/data/datasets.py check_prefix refuses the same on every rank)."""
+    try:
+        meta = prefix_meta(prefix)
+    except ConfigError as err:
+        return str(err)
+    if meta is None or meta.get("format", "text") == data_format:
+        return None
+    if data_format == "text":
+        return f"data.paths: {prefix} holds conversations (tools/preprocess_data.py --format sft): set data.format=sft"
+    return (f"data.paths: {prefix} holds plain documents, not conversations: preprocess them with "
+            f"tools/preprocess_data.py --format sft, or set data.format=text")
 
 
 def tokenizer_problem(spec: str) -> str | None:
@@ -82,12 +110,14 @@ def load_problem(spec: str | None) -> str | None:
 
 
 def path_problems(cfg: Config) -> list[str]:
-    """Every missing file the config names, one line each (data.paths only when data.mock is off)."""
-    prefixes = [] if cfg.data.mock else [str(p) for p in cfg.data.paths]
-    found = [prefix_problem(p) for p in prefixes]
-    if str(cfg.data.format) == "sft":  # conversations: each with its loss mask (training/data/chat.py)
+    """Every missing file the config names and every dataset of another format, one line each (data.paths only
+    when data.mock is off)."""
+    prefixes, data_format = ([] if cfg.data.mock else [str(p) for p in cfg.data.paths]), str(cfg.data.format)
+    found = [prefix_problem(p) or format_problem(p, data_format) for p in prefixes]
+    if data_format == "sft":  # conversations: each with its loss mask (training/data/chat.py)
         found += [f"{problem} (the conversations' loss mask: tools/preprocess_data.py --format sft writes it)"
-                  for p in prefixes if not prefix_problem(p) and (problem := prefix_problem(f"{p}{MASK_SUFFIX}"))]
+                  for p, bad in zip(prefixes, list(found))
+                  if not bad and (problem := prefix_problem(f"{p}{MASK_SUFFIX}"))]
     found += [tokenizer_problem(cfg.data.tokenizer), load_problem(cfg.checkpoint.load)]
     return [problem for problem in found if problem is not None]
 

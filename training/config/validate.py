@@ -4,8 +4,10 @@ scripts' tools/check_config.py before they start any process).
 Every problem is one line that names the numbers involved and what to change. `validate` collects all
 problems and raises one ConfigError listing them (one per line), or returns the run's Layout
 (training/parallel/layout.py: dp, micro-batches, ...). The rules come from their owners: the layout's sizes
-and divisors from Layout, each parallel feature's from its module (FEATURES), the model's own and the run
-settings' from here. Choices (activation, precision, ...) are Enums in the schema, refused while composing.
+and divisors from Layout, each parallel feature's from its module (FEATURES), the model's own, the data
+format's and the run settings' from here (config imports no data/, checkpoint/ or estimate/ module: they
+sit above it, tests/test_structure.py). Choices (activation, precision, ...) are Enums in the schema, refused
+while composing.
 
 Three rules need the tokenizer or the data and run at start-up instead (training/engine/loop.py and
 training/data/datasets.py): the vocabulary fits the model, the blocks' extra-loss names do not clash
@@ -21,12 +23,11 @@ from importlib.util import find_spec
 from models.shape import ModelShape
 from models.spec import block_problem
 from training.config.schema import Config
-from training.data import sft
 from training.errors import ConfigError
 from training.parallel import context, experts, fsdp, tp_blocks
 from training.parallel.layout import Layout
 
-FEATURES = (context, experts, fsdp, tp_blocks, sft)  # each has problems(cfg, layout) -> list[str]
+FEATURES = (context, experts, fsdp, tp_blocks)  # each has problems(cfg, layout) -> list[str]
 
 
 def _positive(cfg: Config) -> list[str]:
@@ -68,6 +69,7 @@ def model_problems(cfg: Config, shape: ModelShape) -> list[str]:
     if outside := [i for i in m.moe.dense_layers if not 0 <= i < m.num_layers]:
         out.append(f"model.moe.dense_layers={list(m.moe.dense_layers)}: {outside} are not 0-based layer indices "
                    f"below model.num_layers={m.num_layers}")
+    out += shape.problems()  # the shape's own rules (models/shape.py: seq_length within a sliding window)
     if m.make_vocab_size_divisible_by < 1:
         out.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
     if m.compile and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
@@ -133,6 +135,23 @@ def run_problems(cfg: Config) -> list[str]:
     return [message for ok, message in rules if not ok]
 
 
+def data_problems(cfg: Config, layout: Layout) -> list[str]:
+    """data.format=sft's rules (conversations packed per sequence: training/data/sft.py)."""
+    d = cfg.data
+    if str(d.format) != "sft":
+        return []
+    out = []
+    if not d.paths or d.mock:
+        out.append("data.format=sft needs data.paths: conversations written by tools/preprocess_data.py --format sft "
+                   "(the embedded corpus and data.mock are plain text)")
+    if d.weights:
+        out.append(f"data.format=sft reads data.paths one after another: remove data.weights={list(d.weights)}")
+    if layout.cp > 1:
+        out.append(f"data.format=sft with parallel.cp={layout.cp}: context parallelism does not take packed "
+                   f"sequences here (each rank's zigzag share would cut through conversations): use parallel.cp=1")
+    return out
+
+
 def problems(cfg: Config, world_size: int) -> list[str]:
     """All violated rules, one line each (empty when the config is valid)."""
     out = _positive(cfg)
@@ -143,6 +162,7 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     out = layout.problems() + model_problems(cfg, shape) + layout.shape_problems(shape) + parallel_problems(cfg)
     for feature in FEATURES:
         out += feature.problems(cfg, layout)
+    out += data_problems(cfg, layout)
     return out + layout.batch_problems() + run_problems(cfg)
 
 

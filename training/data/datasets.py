@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from training.config.paths import prefix_problem
+from training.config.paths import format_problem, prefix_meta, prefix_problem
 from training.config.schema import Config
 from training.errors import ConfigError
 
@@ -113,7 +113,7 @@ def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None, data_for
 
     The tokenizer check needs PREFIX.json (written by tools/preprocess_data.py); for datasets made by other
     tools, which have none, the token ids are scanned instead (a read of the whole .bin)."""
-    bin_file, idx_file, meta_file = (Path(f"{prefix}{s}") for s in (".bin", ".idx", ".json"))
+    bin_file, idx_file = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     if problem := prefix_problem(prefix):  # missing, partial or empty (also checked before the launch)
         raise ConfigError(problem)
     index = _read_index(idx_file)
@@ -123,19 +123,13 @@ def check_prefix(prefix: str, tokenizer, vocab_size: int | None = None, data_for
         raise ConfigError(f"data.paths: {bin_file} has {bin_file.stat().st_size} bytes but {idx_file} describes "
                           f"{expected} ({index.sequence_count} sequences): a truncated or mismatched file; re-run "
                           f"tools/preprocess_data.py")
-    if not meta_file.exists():
+    if problem := format_problem(prefix, data_format):  # or PREFIX.json is not JSON (also checked before the launch)
+        raise ConfigError(problem)
+    meta = prefix_meta(prefix)
+    if meta is None:
         if vocab_size is not None:
             _check_token_ids(bin_file, index.dtype, vocab_size)
         return
-    try:
-        meta = json.loads(meta_file.read_text())
-    except ValueError as err:
-        raise ConfigError(f"data.paths: {meta_file} is not valid JSON ({err})") from err
-    if meta.get("format", "text") != data_format:
-        raise ConfigError(f"data.paths: {prefix} holds conversations (tools/preprocess_data.py --format sft): set "
-                          f"data.format=sft" if data_format == "text" else
-                          f"data.paths: {prefix} holds plain documents, not conversations: preprocess them with "
-                          f"tools/preprocess_data.py --format sft, or set data.format=text")
     written = (meta.get("tokenizer"), meta.get("vocab_size"), meta.get("eod"))
     if written != (tokenizer.name, tokenizer.vocab_size, tokenizer.eod):
         raise ConfigError(

@@ -185,20 +185,3 @@ def build(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_data: bool
                 print(f"sft data ({name}): {data.describe()}", flush=True)
     return tuple(out)
 
-
-def problems(cfg: Config, layout) -> list[str]:
-    """data.format=sft's rules (training/config/validate.py)."""
-    d = cfg.data
-    if str(d.format) != "sft":
-        return []
-    out = []
-    if not d.paths or d.mock:
-        out.append("data.format=sft needs data.paths: conversations written by tools/preprocess_data.py --format sft "
-                   "(the embedded corpus and data.mock are plain text)")
-    if d.weights:
-        out.append(f"data.format=sft reads data.paths one after another: remove data.weights={list(d.weights)}")
-    if layout.cp > 1:
-        out.append(f"data.format=sft with parallel.cp={layout.cp}: context parallelism does not take packed "
-                   f"sequences here (each rank's zigzag share would cut through conversations): use parallel.cp=1")
-    return out
-

@@ -33,7 +33,8 @@ from training.shims import upstream_fixes
 
 @dataclass
 class TrainState:
-    """What training works on: this rank's model chunks and what updates them."""
+    """What training works on: this rank's model chunks and what updates them (what checkpoint/ reads of it is
+    the TrainState protocol in training/checkpoint/common.py: checkpoint/ does not import the engine)."""
 
     model: list[torch.nn.Module]  # DDP-wrapped chunks, one per virtual pipeline stage (bare when train=False)
     optimizer: MegatronOptimizer | None  # Megatron-Core's (or its ChainedOptimizer); None when train=False
