@@ -93,6 +93,9 @@ class ModelShape:
     moe_top_k: int = _tag(NUMERICS, "moe.top_k")
     moe_score_function: str = _tag(NUMERICS, "moe.score_function")
     moe_pre_softmax: bool = _tag(NUMERICS, "moe.pre_softmax")
+    # a Hugging Face checkpoint's attention window (a query sees itself and the window - 1 tokens before it, as
+    # transformers' Mistral); None: none. Our attention is full causal: equal up to seq_length == window
+    sliding_window: int | None = _tag(NUMERICS)
     seq_length: int = _tag(RUN)  # also the learned-positions table size
     make_vocab_size_divisible_by: int = _tag(RUN)
 
@@ -120,6 +123,7 @@ class ModelShape:
             rotary_base=float(model.rotary_base), rope_scaling=_rope_scaling(model.rope_scaling),
             norm_epsilon=float(model.norm_epsilon),
             moe_top_k=moe.top_k, moe_score_function=str(moe.score_function), moe_pre_softmax=bool(moe.pre_softmax),
+            sliding_window=model.sliding_window,
             seq_length=model.seq_length, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
     # ---- derived sizes ----------------------------------------------------------------------------------
@@ -147,6 +151,17 @@ class ModelShape:
         if self.vocab_size is None:
             raise ValueError("the vocabulary size is not known yet (model.vocab_size=null: the tokenizer's)")
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    def problems(self) -> list[str]:
+        """The shape's own rules, one line each (training/config/validate.py asks for them)."""
+        window, seq = self.sliding_window, self.seq_length
+        if window is not None and window < 1:
+            return [f"model.sliding_window={window} must be >= 1 (or null: no window)"]
+        if window is not None and seq > window:  # the real sliding window is not built yet
+            return [f"model.seq_length={seq} is longer than model.sliding_window={window}, the attention window of the "
+                    f"imported checkpoint: our attention is full, which equals sliding-window attention only up to "
+                    f"the window: set model.seq_length={window} or less"]
+        return []
 
     # ---- comparisons ------------------------------------------------------------------------------------
     def fields_of(self, *kinds: str) -> dict:

@@ -21,9 +21,11 @@ UNSUPPORTED = {
     "rope_scaling.rope_type='yarn'": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
     "rope_parameters.rope_type='dynamic'": dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
     "model_type='gemma2'": dict(model_type="gemma2"), "hidden_act='gelu'": dict(hidden_act="gelu"),
-    "mlp_bias=False": dict(attention_bias=True, mlp_bias=False),
+    # Llama: q, k, v, o biases (attention_bias) apart from the MLP's (mlp_bias): the field the checkpoint sets
+    "attention_bias=True (supported: only with mlp_bias=true": dict(attention_bias=True, mlp_bias=False),
+    "mlp_bias=True (supported: only with attention_bias=true": dict(mlp_bias=True),
     "partial_rotary_factor=0.5": dict(partial_rotary_factor=0.5),
-    "sliding_window=4096": dict(model_type="mistral", sliding_window=4096),
+    "sliding_window=4096": dict(model_type="llama", sliding_window=4096),  # Mistral's: tests/test_convert_hf_window.py
     "use_sliding_window=True": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4096),
     "layer_types=['full_attention', 'sliding_attention']": dict(
         model_type="qwen3", layer_types=["sliding_attention", "full_attention"]),

@@ -2,17 +2,20 @@
 Qwen3 (QK-norm, explicit head dim), Mixtral and Qwen3-MoE (mixtures of experts); GQA, tied or untied embeddings.
 Which config.json fields map to which model.* fields: training/interop/hf_config.py.
 
-    python tools/convert_hf.py import --hf-dir ~/hf/Llama-2-7b-hf --out ckpts/llama2 --name llama2_hf --check
-    NPROC=8 launch/train.sh model=llama2_hf parallel.tp=4 checkpoint.load=ckpts/llama2 checkpoint.finetune=true
-    python tools/convert_hf.py export --ckpt outputs/<run>/checkpoints --out ~/hf/llama2-tuned --check \
+    .venv/bin/python tools/convert_hf.py import --hf-dir ~/hf/Llama-2-7b-hf --out ckpts/llama2 --name llama2_hf --check
+    NPROC=8 launch/train.sh model=local/llama2_hf parallel.tp=4 checkpoint.load=ckpts/llama2 checkpoint.finetune=true
+    .venv/bin/python tools/convert_hf.py export --ckpt outputs/<run>/checkpoints --out ~/hf/llama2-tuned --check \
         --tokenizer-dir ~/hf/Llama-2-7b-hf
 
 import: reads config.json + model.safetensors (or shards + model.safetensors.index.json), derives the model
-config from config.json, writes it as a preset (conf/model/<name>.yaml, or --preset-out) and a template
-checkpoint (<out>/iter_0000000 + <out>/latest, the model config in its run.json) that train.py loads at any
+config from config.json, writes it as a preset (conf/model/local/<name>.yaml, selected as model=local/<name>;
+git ignores conf/model/local/ and the tests do not collect it; or --preset-out) and a template checkpoint
+(<out>/iter_0000000 + <out>/latest, the model config in its run.json) that train.py loads at any
 tp / pp / dp layout. Extra arguments are Hydra overrides of everything but the model's shape (e.g.
 model.seq_length=1024 trains shorter sequences than max_position_embeddings; train.precision=bf16 stores bf16
-weights: half the disk, not less memory, and a looser check).
+weights: half the disk, not less memory, and a looser check). A sliding window (Mistral's sliding_window) imports
+as full attention, equal up to the window: seq_length defaults to min(max_position_embeddings, window) and a
+longer one is refused (training/interop/hf_config.py).
 export: loads a template checkpoint (saved at any layout: dist_checkpointing reshards) in one process and
 writes config.json (LlamaConfig, derived from its run.json) + model.safetensors (shards above --max-shard-gb)
 that transformers.AutoModelForCausalLM.from_pretrained loads, and the tokenizer files with their chat template
@@ -43,6 +46,9 @@ from training.errors import TemplateError, exit_on_error
 from training.shims.noise import quiet_known_noise
 
 ROOT = Path(__file__).resolve().parents[1]
+# where an import writes its preset by default: in the model group (model=local/<name>), git-ignored, and not
+# collected by the tests (they enumerate conf/model/*.yaml, the presets the repository ships)
+LOCAL_PRESETS = ROOT / "conf" / "model" / "local"
 # What transformers' save_pretrained writes for a tokenizer (and its chat templates), and generation defaults
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
@@ -54,6 +60,16 @@ def fixed_by_config_json() -> tuple[str, ...]:
     from models.shape import NUMERICS, WEIGHTS, ModelShape
 
     return ModelShape.config_fields(WEIGHTS, NUMERICS)
+
+
+def selection(preset: Path) -> str:
+    """The overrides that select a preset file: model=local/<name> for an import's default place, model=<name>
+    for conf/model/, else model=<name> with Hydra's search path on the folder above the preset's."""
+    folder = preset.parent.resolve()
+    if folder == LOCAL_PRESETS.resolve():
+        return f"model={LOCAL_PRESETS.name}/{preset.stem}"
+    return f"model={preset.stem}" + ("" if folder == LOCAL_PRESETS.parent.resolve() else
+                                     f" 'hydra.searchpath=[file://{folder.parent}]'")
 
 
 def empty_dir(path: Path, what: str) -> Path:
@@ -117,7 +133,7 @@ def do_import(args, overrides: list[str]) -> bool:
         cfg.data.tokenizer = str(hf_dir.resolve())  # run.json records it: a fine-tune with another one is refused
     validate(cfg, world_size=1)
     shape = ModelShape.of(cfg.model)
-    preset = Path(args.preset_out) if args.preset_out else ROOT / "conf" / "model" / f"{cfg.model.name}.yaml"
+    preset = Path(args.preset_out) if args.preset_out else LOCAL_PRESETS / f"{cfg.model.name}.yaml"
     if preset.exists() and not args.force:
         raise TemplateError(f"preset {preset} exists: pass another --preset-out (or --name), or --force")
     empty_dir(Path(cfg.checkpoint.dir), "--out")
@@ -133,13 +149,15 @@ def do_import(args, overrides: list[str]) -> bool:
         preset.write_text(f"# {cfg.model.name}: imported from {hf_dir.resolve()} by tools/convert_hf.py (derived from "
                           f"its config.json;\n# the shape fields must match the checkpoint's weights).\n"
                           + OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
-        select = f"model={preset.stem}" + ("" if preset.parent == ROOT / "conf" / "model" else
-                                           f" 'hydra.searchpath=[file://{preset.parent.parent.resolve()}]'")
         tokenizer = f" data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "byte" else ""
+        window = cfg.model.sliding_window
         print(f"imported {count / 1e6:.2f}M parameters in {time.perf_counter() - start:.1f} s: checkpoint "
-              f"{cfg.checkpoint.dir}, preset {preset}\ntrain it with: {select} checkpoint.load={cfg.checkpoint.dir} "
-              f"checkpoint.finetune=true{tokenizer}" + ("" if tokenizer else f"\nnote: {hf_dir} has no tokenizer.json"
-              f": give data.tokenizer the model's when you preprocess and train (else text is byte ids)"), flush=True)
+              f"{cfg.checkpoint.dir}, preset {preset}\ntrain it with: {selection(preset)} checkpoint.load="
+              f"{cfg.checkpoint.dir} checkpoint.finetune=true{tokenizer}"
+              + ("" if tokenizer else f"\nnote: {hf_dir} has no tokenizer.json: give data.tokenizer the model's when "
+                                      f"you preprocess and train (else text is byte ids)")
+              + (f"\nnote: attention window {window} (sliding_window): imported as full attention, the same up to "
+                 f"the window: model.seq_length <= {window}" if window else ""), flush=True)
         return not args.check or check(state, cfg.model.vocab_size, cfg.model.seq_length, hf_dir,
                                        cfg.train.precision, args.tolerance)
 
@@ -206,7 +224,8 @@ def parse(argv: list[str]):
     imp.add_argument("--hf-dir", required=True, help="local directory with config.json and *.safetensors")
     imp.add_argument("--out", required=True, help="checkpoint directory to create (checkpoint.load=...)")
     imp.add_argument("--name", help="preset name (model=NAME); default: the directory's name")
-    imp.add_argument("--preset-out", help="preset YAML path; default conf/model/<name>.yaml")
+    imp.add_argument("--preset-out", help="preset YAML path; default conf/model/local/<name>.yaml (git-ignored; "
+                                          "model=local/<name>)")
     imp.add_argument("--force", action="store_true", help="overwrite an existing preset file")
     exp = sub.add_parser("export", help="template checkpoint -> Hugging Face directory")
     exp.add_argument("--ckpt", required=True, help="a checkpoint directory (with `latest`) or an iter_* directory")

@@ -1,7 +1,7 @@
 """Hugging Face config.json <-> our model config, for the families tools/convert_hf.py converts:
 
     family      what it adds to Llama's decoder (GQA, RoPE, RMSNorm, SwiGLU)       our fields
-    llama       Llama 2 / 3.x (3.1+: RoPE scaling "llama3"), Mistral without SWA   rope_scaling.*
+    llama       Llama 2 / 3.x (3.1+: RoPE scaling "llama3"), Mistral              rope_scaling.*, sliding_window
     qwen2       biases on q, k and v (Qwen2, Qwen2.5)                              qkv_bias
     qwen3       RMSNorm of each query and key head before RoPE; head_dim != h/heads qk_norm, kv_channels
     mixtral     MoE in every layer, softmax over the top-k                        moe.*
@@ -10,6 +10,10 @@
 Import (`model_fields`) refuses what the template cannot express, naming the field and its value as the
 checkpoint holds it; export (`hf_config`) writes the family's own config class, picked from the model's
 features by `family` (the same rule models/moe.py's HF names follow: QK-norm means Qwen3).
+Sliding windows (Mistral's, Mixtral's `sliding_window`): transformers' query at position q sees keys k with
+q - k < window (masking_utils.sliding_window_overlay: the window counts the query itself), so at
+model.seq_length <= window that is full causal attention, which ours is; the window is kept in model.sliding_window
+(models/shape.py refuses a longer seq_length) and written back on export.
 Light on purpose (no Megatron-Core, no torch): the config check before any work.
 """
 
@@ -19,6 +23,7 @@ from training.errors import TemplateError
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 QWEN = ("qwen2", "qwen3", "qwen3_moe")
+WINDOWED = ("mistral", "mixtral")  # every layer sliding when config.json's sliding_window is set
 
 
 class HFError(TemplateError):
@@ -52,13 +57,16 @@ def _refusals(hf: dict) -> list[str]:
     if kind in QWEN:  # Qwen configs carry a sliding_window size even when use_sliding_window is off
         checks.append(("use_sliding_window", hf.get("use_sliding_window", False), "false",
                        not hf.get("use_sliding_window", False)))
-    else:
+    elif kind not in WINDOWED:  # Llama has no window: a size here means a model transformers' Llama is not
         checks.append(("sliding_window", hf.get("sliding_window"), "null", hf.get("sliding_window") is None))
     if kind in ("qwen3", "qwen3_moe"):  # Qwen3's flag biases q, k, v and o, its MLP has none
         checks.append(("attention_bias", hf.get("attention_bias", False), "false", not hf.get("attention_bias")))
-    if kind not in QWEN:
-        checks.append(("mlp_bias", hf.get("mlp_bias", False), "equal to attention_bias",
-                       hf.get("mlp_bias", False) == hf.get("attention_bias", False)))
+    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if kind not in QWEN and attention_bias != mlp_bias:  # our o_proj bias comes with the MLP's (add_bias_linear)
+        field = "attention_bias" if attention_bias else "mlp_bias"
+        checks.append((field, True, f"only with {'mlp_bias' if attention_bias else 'attention_bias'}=true: the "
+                                    f"template's o_proj bias and MLP biases are one switch, model.add_bias_linear",
+                       False))
     if kind == "qwen3_moe":
         checks.append(("shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"), "null or 0",
                        not hf.get("shared_expert_intermediate_size")))
@@ -73,6 +81,7 @@ def model_fields(hf: dict) -> dict:
                       + "; ".join(problems))
     kind = hf["model_type"]
     _, rope = _rope(hf)
+    window = int(hf["sliding_window"]) if kind in WINDOWED and hf.get("sliding_window") is not None else None
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     fields = dict(
@@ -81,6 +90,7 @@ def model_fields(hf: dict) -> dict:
         kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
         vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
         max_position_embeddings=hf.get("max_position_embeddings"),  # kept for export when seq_length is cut
+        sliding_window=window,
         position_embedding="rope", rotary_base=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
         add_bias_linear=bool(hf.get("attention_bias", False)) and kind not in QWEN,
@@ -88,6 +98,8 @@ def model_fields(hf: dict) -> dict:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's default
         attention_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
         init_method_std=float(hf.get("initializer_range", 0.02)))
+    if window is not None:  # full attention equals the window's up to seq_length = window (module docstring)
+        fields["seq_length"] = min(fields["seq_length"], window)
     if rope.get("rope_type", rope.get("type")) == "llama3":
         fields["rope_scaling"] = dict(
             type="llama3", factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
@@ -126,8 +138,12 @@ def _export_problems(shape, kind: str) -> dict:
               ("model.normalization", shape.normalization, "RMSNorm"), ("model.activation", shape.activation, "swiglu")]
     if kind in ("qwen3", "qwen3_moe", "mixtral"):
         checks += [("model.add_bias_linear", shape.add_bias_linear, False), ("model.qkv_bias", shape.qkv_bias, False)]
-    if kind != "llama" and shape.rope_scaling is not None:
+    if (kind != "llama" or shape.sliding_window) and shape.rope_scaling is not None:  # Mistral: plain RoPE
         checks.append(("model.rope_scaling.type", "llama3", "none"))
+    if kind in QWEN:  # their windows cover some layers (max_window_layers, layer_types), Mistral's every layer
+        checks.append(("model.sliding_window", shape.sliding_window, None))
+    if kind == "llama" and shape.sliding_window:  # a window exports as Mistral, which has no biases
+        checks.append(("model.add_bias_linear", shape.add_bias_linear, False))
     if kind == "qwen2":  # Qwen2's head dim is hidden_size / heads
         checks.append(("model.kv_channels", shape.kv_channels, shape.hidden_size // shape.num_attention_heads))
     if shape.num_experts:
@@ -142,7 +158,8 @@ def _export_problems(shape, kind: str) -> dict:
 
 def hf_config(shape, model, precision: str):
     """Our model's shape (+ its config's dropout, init std, aux-loss weight) -> the family's transformers config
-    (LlamaConfig, Qwen2Config, Qwen3Config, MixtralConfig or Qwen3MoeConfig)."""
+    (LlamaConfig, MistralConfig for a llama with a sliding window, Qwen2Config, Qwen3Config, MixtralConfig or
+    Qwen3MoeConfig)."""
     import transformers
 
     kind = family(shape)
@@ -164,7 +181,8 @@ def hf_config(shape, model, precision: str):
     if kind == "mixtral":
         return transformers.MixtralConfig(
             **common, intermediate_size=shape.moe_ffn_hidden_size, num_local_experts=shape.num_experts,
-            num_experts_per_tok=shape.moe_top_k, router_aux_loss_coef=model.moe.aux_loss_coeff, sliding_window=None,
+            num_experts_per_tok=shape.moe_top_k, router_aux_loss_coef=model.moe.aux_loss_coeff,
+            sliding_window=shape.sliding_window,
             architectures=["MixtralForCausalLM"])
     if kind == "qwen3_moe":
         dense = [n - 1 for n in range(1, shape.num_layers + 1) if n not in shape.moe_layer_numbers]
@@ -181,6 +199,9 @@ def hf_config(shape, model, precision: str):
         common.pop("head_dim")
         return transformers.Qwen2Config(**common, intermediate_size=shape.ffn_hidden_size, use_sliding_window=False,
                                         architectures=["Qwen2ForCausalLM"])
+    if shape.sliding_window:  # Mistral: Llama's decoder with every layer's attention windowed
+        return transformers.MistralConfig(**common, intermediate_size=shape.ffn_hidden_size,
+                                          sliding_window=shape.sliding_window, architectures=["MistralForCausalLM"])
     return transformers.LlamaConfig(
         **common, intermediate_size=shape.ffn_hidden_size, attention_bias=shape.add_bias_linear,
         mlp_bias=shape.add_bias_linear, architectures=["LlamaForCausalLM"])
