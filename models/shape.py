@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from models.tp_blocks import TP_BLOCKS
 
 WEIGHTS, NUMERICS, RUN = "weights", "numerics", "run"
+LAYER_TYPES = ("full", "sliding")  # a layer's attention: causal over the whole sequence, or within the window
 
 
 def _tag(kind: str, *config: str):
@@ -96,6 +97,8 @@ class ModelShape:
     # a Hugging Face checkpoint's attention window (a query sees itself and the window - 1 tokens before it, as
     # transformers' Mistral); None: none. Our attention is full causal: equal up to seq_length == window
     sliding_window: int | None = _tag(NUMERICS)
+    # each layer's attention: "sliding" (within sliding_window) or "full"; resolved: all sliding with a window
+    layer_types: tuple[str, ...] = _tag(NUMERICS, "layer_types", "sliding_window")
     seq_length: int = _tag(RUN)  # also the learned-positions table size
     make_vocab_size_divisible_by: int = _tag(RUN)
 
@@ -124,6 +127,7 @@ class ModelShape:
             norm_epsilon=float(model.norm_epsilon),
             moe_top_k=moe.top_k, moe_score_function=str(moe.score_function), moe_pre_softmax=bool(moe.pre_softmax),
             sliding_window=model.sliding_window,
+            layer_types=_layer_types(model),
             seq_length=model.seq_length, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
     # ---- derived sizes ----------------------------------------------------------------------------------
@@ -157,6 +161,11 @@ class ModelShape:
         window, seq = self.sliding_window, self.seq_length
         if window is not None and window < 1:
             return [f"model.sliding_window={window} must be >= 1 (or null: no window)"]
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            return [f"model.layer_types={list(self.layer_types)}: one of {', '.join(LAYER_TYPES)} for each of the "
+                    f"model.num_layers={self.num_layers} layers (or null)"]
+        if window is None and "sliding" in self.layer_types:
+            return ["model.layer_types names sliding layers: set model.sliding_window (their window, in tokens)"]
         if window is not None and seq > window:  # the real sliding window is not built yet
             return [f"model.seq_length={seq} is longer than model.sliding_window={window}, the attention window of the "
                     f"imported checkpoint: our attention is full, which equals sliding-window attention only up to "
@@ -181,6 +190,12 @@ def _is_moe_layer(moe, number: int) -> bool:
     except the 0-based indices in moe.dense_layers (Hugging Face's mlp_only_layers)."""
     return (bool(moe.num_experts) and number > moe.first_dense and (number - moe.first_dense - 1) % moe.layer_freq == 0
             and number - 1 not in moe.dense_layers)
+
+
+def _layer_types(model) -> tuple[str, ...]:
+    if getattr(model, "layer_types", None) is not None:
+        return tuple(str(t) for t in model.layer_types)
+    return ("sliding" if model.sliding_window is not None else "full",) * model.num_layers
 
 
 def _rope_scaling(scaling) -> RopeScaling | None:

@@ -137,6 +137,7 @@ class ModelConfig:
     seq_length: int = 128  # training sequence length (tokens per sample)
     max_position_embeddings: Optional[int] = None  # context length a Hugging Face export records; null: seq_length
     sliding_window: Optional[int] = None  # imported attention window (Mistral: 4096): ours is full, so seq_length <= it
+    layer_types: Optional[list[str]] = None  # per layer "full" | "sliding" (HF's layer_types); null: all sliding with a window
     position_embedding: PositionEmbedding = PositionEmbedding.rope  # RoPE is what modern decoders use
     rotary_base: float = 10000.0  # RoPE theta (Llama 2: 1e4, Llama 3: 5e5)
     normalization: Normalization = Normalization.RMSNorm  # RMSNorm (Llama) | LayerNorm (GPT-2)
