@@ -1,16 +1,16 @@
 """Training-step benchmark: median step time, tokens/s, TFLOP/s per device, MFU and peak memory of our GPT,
 optionally side by side with Megatron-Core's own GPTModel at the same config, layout and weights.
 
-    python tools/bench.py                                   # the default config (below), one process
-    python tools/bench.py --compare-mcore --json            # ours vs Megatron-Core: {"ours_s", "mcore_s", "ratio", ...}
-    python tools/bench.py --compare-hf --breakdown          # ours vs transformers' Llama + plain AdamW, by phase
-    python tools/bench.py --compare                         # ours vs transformers' and torchtitan's Llama, A B C
-    python tools/bench.py --compare --compile               # the same with every side's layers torch.compile'd
-    python tools/bench.py --layouts tp1,tp2,dp2,pp2         # one table row per layout (memory, comm share)
-    python tools/bench.py --breakdown                       # + where a step's time goes (loop overhead share)
-    python tools/bench.py --nproc 2 parallel.tp=2           # spawn 2 processes (gloo on CPU, NCCL on GPUs)
+    .venv/bin/python tools/bench.py                               # the default config (below), one process
+    .venv/bin/python tools/bench.py --compare-mcore --json        # ours vs Megatron-Core (JSON: ours_s, mcore_s, ratio)
+    .venv/bin/python tools/bench.py --compare-hf --breakdown      # ours vs transformers' Llama + plain AdamW, by phase
+    .venv/bin/python tools/bench.py --compare                     # ours vs transformers' and torchtitan's Llama, A B C
+    .venv/bin/python tools/bench.py --compare --compile           # the same, every side's layers torch.compile'd
+    .venv/bin/python tools/bench.py --layouts tp1,tp2,dp2,pp2     # one table row per layout (memory, comm share)
+    .venv/bin/python tools/bench.py --breakdown                   # + where a step's time goes (loop overhead share)
+    .venv/bin/python tools/bench.py --nproc 2 parallel.tp=2       # spawn 2 processes (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 8 tools/bench.py parallel.tp=2 model=llama_1b train.precision=bf16
-    python tools/bench.py experiment=llama_1b_single_gpu --compare-mcore --breakdown   # one GPU: MFU
+    .venv/bin/python tools/bench.py experiment=llama_1b_single_gpu --compare-mcore --breakdown   # one GPU: MFU
 
 Arguments other than the flags are Hydra overrides of the training config, composed exactly as train.py
 composes it. With none, it is the quickstart's: the tiny preset (4 layers, h=128, GQA 4/2, SwiGLU, RMSNorm,

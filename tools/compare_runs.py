@@ -1,8 +1,8 @@
 """Runs side by side: each run's metrics.jsonl drawn against iteration (loss, val loss, lr, grad norm, tokens/s,
 and any extra loss the runs log), one picture; optionally a check that their losses agree.
 
-    python tools/compare_runs.py outputs/2026-12-01/10-00-00 outputs/2026-12-01/11-00-00 --out runs.png
-    python tools/compare_runs.py RUN_A RUN_B --labels tp1,tp2 --out cmp.png --assert-close 1e-5
+    .venv/bin/python tools/compare_runs.py outputs/2026-12-01/10-00-00 outputs/2026-12-01/11-00-00 --out runs.png
+    .venv/bin/python tools/compare_runs.py RUN_A RUN_B --labels tp1,tp2 --out cmp.png --assert-close 1e-5
 
 A run is a run directory (or its metrics.jsonl). --assert-close RTOL exits 1 when, at an iteration two runs
 both logged, their losses differ by more than RTOL relative to the first run's (and prints the worst), or when

@@ -1,12 +1,13 @@
 """The token-mean loss and perplexity of a checkpoint: on its run's validation batches (the ones its training
 evaluated), on a text file, or on a preprocessed dataset, at any layout; or lm-evaluation-harness tasks (--tasks).
 
-    python tools/evaluate.py --ckpt outputs/<run>/checkpoints                  # the run's own validation batches
-    python tools/evaluate.py --ckpt DIR --text notes.txt --json                # a text file (one document a line)
-    python tools/evaluate.py --ckpt DIR --data data/corpus --batches 20        # a dataset prefix's validation split
-    python tools/evaluate.py --ckpt DIR --nproc 2 parallel.tp=2                # at another layout (it reshards)
-    python tools/evaluate.py --ckpt DIR --tasks arc_easy,hellaswag --nproc 2 parallel.tp=2    # lm-eval's tasks
-    python tools/evaluate.py --ckpt DIR --tasks my_task --include-path my_tasks/ --output results.json --log-samples
+    .venv/bin/python tools/evaluate.py --ckpt outputs/<run>/checkpoints     # the run's own validation batches
+    .venv/bin/python tools/evaluate.py --ckpt DIR --text notes.txt --json  # a text file (one document a line)
+    .venv/bin/python tools/evaluate.py --ckpt DIR --data data/corpus --batches 20     # a dataset's validation split
+    .venv/bin/python tools/evaluate.py --ckpt DIR --nproc 2 parallel.tp=2    # at another layout (it reshards)
+    .venv/bin/python tools/evaluate.py --ckpt DIR --tasks arc_easy,hellaswag --nproc 2 parallel.tp=2  # lm-eval tasks
+    .venv/bin/python tools/evaluate.py --ckpt DIR --tasks my_task --include-path my_tasks/ --output results.json \
+        --log-samples
 
 The model, tokenizer, sequence length and batch sizes are the run's (run.json); the other arguments are
 overrides (the layout, train.micro_batch_size, ...). Default: train.eval_iters global batches of the validation

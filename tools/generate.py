@@ -1,11 +1,13 @@
 """Generate text from a checkpoint: ours at whatever layout it was saved, or one imported from Hugging Face.
 
-    python tools/generate.py --ckpt outputs/<run>/checkpoints --prompt "The import statement" --max-new-tokens 200
-    python tools/generate.py --ckpt ckpts/my_llama --tokenizer ~/hf/Llama-2-7b-hf --prompt "Hello" --greedy --json
-    python tools/generate.py --ckpt DIR --prompt-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 3
-    python tools/generate.py --ckpt DIR --prompt "x" --nproc 2 parallel.tp=2      # 2 processes (gloo or NCCL)
-    python tools/generate.py --ckpt DIR --chat --system "Be brief." --prompt "Who are you?" --greedy
-    python tools/generate.py --ckpt DIR --chat                # on a terminal: a conversation, turn by turn
+    .venv/bin/python tools/generate.py --ckpt outputs/<run>/checkpoints --prompt "The import statement" \
+        --max-new-tokens 200
+    .venv/bin/python tools/generate.py --ckpt ckpts/my_llama --tokenizer ~/hf/Llama-2-7b-hf --prompt "Hello" --greedy \
+        --json
+    .venv/bin/python tools/generate.py --ckpt DIR --prompt-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 3
+    .venv/bin/python tools/generate.py --ckpt DIR --prompt "x" --nproc 2 parallel.tp=2      # 2 processes (gloo or NCCL)
+    .venv/bin/python tools/generate.py --ckpt DIR --chat --system "Be brief." --prompt "Who are you?" --greedy
+    .venv/bin/python tools/generate.py --ckpt DIR --chat                # on a terminal: a conversation, turn by turn
     torchrun --nproc-per-node 4 tools/generate.py --ckpt DIR --prompt "x" parallel.tp=2 parallel.pp=2
 
 The checkpoint's run.json gives the model and the tokenizer it was trained with (--tokenizer overrides it);

@@ -1,11 +1,13 @@
 """Indexed datasets preprocessed in parts -> one dataset: PREFIX.bin + PREFIX.idx + PREFIX.json.
 
-    python tools/merge_datasets.py --input PREFIX_OR_GLOB [...] --output-prefix PREFIX
+    .venv/bin/python tools/merge_datasets.py --input PREFIX_OR_GLOB [...] --output-prefix PREFIX
 
     # a big corpus, preprocessed a few shards at a time (on one machine or many), then joined
-    python tools/preprocess_data.py --input 'web/part-0*.parquet' --output-prefix data/parts/web-0 --tokenizer tok/
-    python tools/preprocess_data.py --input 'web/part-1*.parquet' --output-prefix data/parts/web-1 --tokenizer tok/
-    python tools/merge_datasets.py --input 'data/parts/web-*' --output-prefix data/web
+    .venv/bin/python tools/preprocess_data.py --input 'web/part-0*.parquet' --output-prefix data/parts/web-0 \
+        --tokenizer tok/
+    .venv/bin/python tools/preprocess_data.py --input 'web/part-1*.parquet' --output-prefix data/parts/web-1 \
+        --tokenizer tok/
+    .venv/bin/python tools/merge_datasets.py --input 'data/parts/web-*' --output-prefix data/web
 
 Inputs are dataset prefixes (PREFIX.bin/.idx/.json, written by tools/preprocess_data.py) in the order given, or
 globs (quote them) matching their files, each glob's datasets sorted by name. The merged dataset holds every part's

@@ -1,12 +1,15 @@
 """Text, JSON lines, Parquet, Arrow or a `datasets` folder -> a Megatron-Core indexed dataset (PREFIX.bin/.idx/.json).
 
-    python tools/preprocess_data.py --input FILE_GLOB_OR_FOLDER [...] --output-prefix PREFIX \\
+    .venv/bin/python tools/preprocess_data.py --input FILE_GLOB_OR_FOLDER [...] --output-prefix PREFIX \\
         --tokenizer byte|PATH [--text-key text] [--workers N]
 
-    python tools/preprocess_data.py --input 'corpus/*.txt' --output-prefix data/corpus --tokenizer byte
-    python tools/preprocess_data.py --input 'fineweb/*.parquet' --output-prefix data/web --tokenizer tok/ --workers 8
-    python tools/preprocess_data.py --input saved_ds/train web.jsonl.zst --output-prefix data/mix --tokenizer tok/
-    python tools/preprocess_data.py --format sft --input chats.jsonl --output-prefix data/chats --tokenizer hf_model/
+    .venv/bin/python tools/preprocess_data.py --input 'corpus/*.txt' --output-prefix data/corpus --tokenizer byte
+    .venv/bin/python tools/preprocess_data.py --input 'fineweb/*.parquet' --output-prefix data/web --tokenizer tok/ \
+        --workers 8
+    .venv/bin/python tools/preprocess_data.py --input saved_ds/train web.jsonl.zst --output-prefix data/mix \
+        --tokenizer tok/
+    .venv/bin/python tools/preprocess_data.py --format sft --input chats.jsonl --output-prefix data/chats \
+        --tokenizer hf_model/
 
 Inputs (files in the order given, each glob's matches sorted; training/data/sources.py reads them): plain text
 (a document per line), .jsonl/.json (a JSON object per line, the document in --text-key), either compressed as

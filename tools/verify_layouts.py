@@ -1,12 +1,12 @@
 """Same loss on one process and on many: train K steps from the same weights and data at every layout.
 
-    python tools/verify_layouts.py --steps 4 --layouts tp2,tp2sp,pp2,pp2vpp2,dp2,dp2distopt,tp2pp2,dp2-bf16
-    python tools/verify_layouts.py --steps 4 --layouts tp2,pp2 model=gpt2_124m model.num_layers=2   # your model
-    python tools/verify_layouts.py model=moe_tiny --layouts ep2dp2,tp2ep2dp2sp,pp2ep2dp2    # experts
-    python tools/verify_layouts.py model.seq_length=256 --layouts cp2,tp2cp2sp,cp2distopt            # long sequences
-    python tools/verify_layouts.py --layouts dp2zero3,dp2zero2,tp2dp2zero3                        # ZeRO-3 / ZeRO-2
-    python tools/verify_layouts.py model=moe_tiny          # every layout this model can run (the rest: said why)
-    python tools/verify_layouts.py --fresh --layouts tp2,pp2,dp2 # each from its own init: same seed, same model
+    .venv/bin/python tools/verify_layouts.py --steps 4 --layouts tp2,tp2sp,pp2,pp2vpp2,dp2,dp2distopt,tp2pp2,dp2-bf16
+    .venv/bin/python tools/verify_layouts.py --steps 4 --layouts tp2,pp2 model=gpt2_124m model.num_layers=2  # yours
+    .venv/bin/python tools/verify_layouts.py model=moe_tiny --layouts ep2dp2,tp2ep2dp2sp,pp2ep2dp2     # experts
+    .venv/bin/python tools/verify_layouts.py model.seq_length=256 --layouts cp2,tp2cp2sp,cp2distopt    # long sequences
+    .venv/bin/python tools/verify_layouts.py --layouts dp2zero3,dp2zero2,tp2dp2zero3                # ZeRO-3 / ZeRO-2
+    .venv/bin/python tools/verify_layouts.py model=moe_tiny      # every layout this model can run (the rest: said why)
+    .venv/bin/python tools/verify_layouts.py --fresh --layouts tp2,pp2,dp2  # each from its own init: same seed, model
 
 It saves the initial weights once (train.iters=0), then launches train.py with torchrun for the
 reference (1 process) and for each layout, every one loading those weights (checkpoint.finetune) and
