@@ -118,8 +118,8 @@ def test_llama2_7b_tp2_pp2_by_hand():
 
 
 def test_plan_cli_json_lists_layouts_and_recommends_one_that_fits():
-    cmd = [sys.executable, str(ROOT / "tools/plan.py"), "--json", "model=llama2_7b", "plan.gpus_per_node=8",
-           "plan.nodes=1", "plan.gpu_mem_gb=80"]
+    cmd = [sys.executable, str(ROOT / "tools/plan.py"), "--json", "model=llama2_7b", "train.precision=fp32",
+           "plan.gpus_per_node=8", "plan.nodes=1", "plan.gpu_mem_gb=80"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)

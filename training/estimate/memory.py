@@ -38,6 +38,7 @@ allocator fragmentation, pipeline send/receive buffers, O(s) statistics (norms',
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 
@@ -114,6 +115,7 @@ def split_of(lay: Layout) -> Split:
     return Split(lay.tp, lay.ep, lay.etp, lay.tp_blocks)
 
 
+@lru_cache(maxsize=1 << 16)  # the planner asks the same layer for every optimizer and pipeline variant
 def _layer_bytes(shape: ModelShape, split: Split, act: ActivationContext, layer_number: int) -> float:
     from models.layer import TransformerLayer
 
@@ -147,8 +149,11 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
         out += max(_layer_bytes(shape, split, replace(act, recompute="none"), n) for n in numbers)
     if lay.cp > 1:  # the causal mask of context-parallel attention, [s/cp, s] additive, shared by the layers
         out += act.bytes * act.seq * shape.seq_length
+    if shape.sliding_window:  # the sliding layers' band, [s/cp, s] additive, shared (models/core_attention.py)
+        out += act.bytes * act.seq * shape.seq_length
     if str(cfg.data.format) == "sft":  # packed conversations: each micro-batch in flight keeps its [b, 1, s, s]
-        out += act.bytes * act.micro_batch * act.seq ** 2 * in_flight / len(numbers)  # additive mask
+        masks = 2 if shape.sliding_window else 1  # additive mask (and it with the band)
+        out += masks * act.bytes * act.micro_batch * act.seq ** 2 * in_flight / len(numbers)
     if stage == lay.pp - 1:  # final norm and output-layer inputs; cross entropy's fp32 softmax over the vocabulary
         e = 2 if cfg.train.precision == "bf16" else 4
         s, b = shape.seq_length // lay.cp, cfg.train.micro_batch_size
@@ -159,17 +164,22 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
     return out
 
 
+@lru_cache(maxsize=1 << 14)  # the planner asks the same weights for every recompute, optimizer and micro batch
+def _params(shape: ModelShape, *args, experts_only: bool = False, tp_blocks: tuple[str, ...] = ()) -> int:
+    from models.gpt import num_params
+
+    return num_params(shape, *args, experts_only=experts_only, tp_blocks=tp_blocks) if args else num_params(shape)
+
+
 def estimate(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool = True) -> Estimate:
     """The most-loaded pipeline stage (first or last) of `lay`. flash_attention=True by default because
     models/attention.py calls scaled_dot_product_attention, whose GPU kernels keep no s x s scores."""
-    from models.gpt import num_params
-
     precision = str(cfg.train.precision)
     worst = None
     for stage in sorted({0, lay.pp - 1}):
-        params = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, tp_blocks=lay.tp_blocks)
-        experts = num_params(shape, lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp, experts_only=True,
-                             tp_blocks=lay.tp_blocks)
+        cut = (lay.tp, lay.pp, stage, lay.vpp, lay.ep, lay.etp)
+        params = _params(shape, *cut, tp_blocks=tuple(lay.tp_blocks))
+        experts = _params(shape, *cut, experts_only=True, tp_blocks=tuple(lay.tp_blocks))
         # the distributed optimizer shards dense state over DP x CP, expert state over the expert-DP group
         weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.grad_group, lay.fsdp) + \
             experts * bytes_per_param(precision, lay.dist_opt, lay.edp)
@@ -179,7 +189,7 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool 
                         for _, block in layer_spec(shape, 1).items())
             root, in_flight = fsdp_feature.unsharded_bytes(precision, lay.fsdp, params, layer, shape.num_layers)
             weights, activations = weights + root, activations + in_flight
-        candidate = Estimate(lay, num_params(shape), params, stage, weights, activations,
+        candidate = Estimate(lay, _params(shape), params, stage, weights, activations,
                              str(cfg.model.recompute))
         if worst is None or candidate.total > worst.total:
             worst = candidate

@@ -91,8 +91,9 @@ def _host_memory() -> float | None:
         return None
 
 
-def check(est: Estimate, capacity_bytes: int | None, fraction: float, model: str) -> None:
-    """ConfigError when the estimate exceeds the device's memory x train.max_memory_fraction."""
+def check(est: Estimate, capacity_bytes: int | None, fraction: float, model: str, precision: str | None = None) -> None:
+    """ConfigError when the estimate exceeds the device's memory x train.max_memory_fraction; it names the planner
+    command for this model, global batch and precision (the planner searches the micro batch)."""
     if capacity_bytes is None:
         return
     budget = capacity_bytes * fraction
@@ -101,9 +102,11 @@ def check(est: Estimate, capacity_bytes: int | None, fraction: float, model: str
         raise ConfigError(
             f"estimated {g['total']:.1f} GB per GPU (weights+grads+optimizer {g['weights_and_optimizer']:.1f} + "
             f"activations {g['activations']:.1f}, pipeline stage {est.stage}) exceeds {capacity_bytes / GB:.1f} GB x "
-            f"train.max_memory_fraction={fraction:g} = {budget / GB:.1f} GB: run `python tools/plan.py "
-            f"model={model} plan.gpus_per_node={max(1, torch.cuda.device_count())} "
-            f"plan.gpu_mem_gb={capacity_bytes / GB:.0f}` for layouts that fit, or try model.recompute=full, "
+            f"train.max_memory_fraction={fraction:g} = {budget / GB:.1f} GB: run `.venv/bin/python tools/plan.py "
+            f"model={model} train.global_batch_size={lay.global_batch_size}"
+            f"{f' train.precision={precision}' if precision else ''} plan.gpus_per_node="
+            f"{max(1, torch.cuda.device_count())} plan.gpu_mem_gb={capacity_bytes / GB:.0f}` for layouts that fit, "
+            f"or try model.recompute=full, "
             f"parallel.dist_opt=true (dp {lay.dp}), or a smaller train.micro_batch_size")
 
 
@@ -129,5 +132,5 @@ def preflight(cfg: Config, layout: Layout, shape: ModelShape, device: torch.devi
         path = Path(run_dir) / "environment.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
-    check(est, capacity, cfg.train.max_memory_fraction, cfg.model.name)
+    check(est, capacity, cfg.train.max_memory_fraction, cfg.model.name, str(cfg.train.precision))
     return est
