@@ -22,7 +22,7 @@ from models.context_parallel import AllGatherKVAttention
 from models.core_attention import CoreAttention
 from models.kv_cache import KVCache
 from models.linear import ColumnParallelLinear, RowParallelLinear
-from models.norm import Norm
+from models.qk_norm import qk_norm_params, qk_norms
 from models.shape import ModelShape, Split
 
 
@@ -82,11 +82,11 @@ class SelfAttention(MegatronModule):
             config.hidden_size, qkv_size, config=config, init_method=config.init_method,
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
         )
-        # QK-norm (Qwen3): the names are the ones finalize_model_grads looks for
-        self.q_layernorm = Norm(config, size=self.head_dim) if config.qk_layernorm else None
-        self.k_layernorm = Norm(config, size=self.head_dim) if config.qk_layernorm else None
-        self.core_attention = CoreAttention(config) if config.context_parallel_size == 1 else \
-            AllGatherKVAttention(config)  # parallel.cp > 1: K/V all-gathered over the CP group
+        # QK-norm per head (Qwen3; the names finalize_model_grads looks for) or over q and k (OLMo 2): qk_norm.py
+        self.q_layernorm, self.k_layernorm = qk_norms(config)
+        # this layer's window, scale, soft-cap and sinks (models/core_attention.py); parallel.cp > 1: K/V all-gathered
+        core = CoreAttention if config.context_parallel_size == 1 else AllGatherKVAttention
+        self.core_attention = core(config, layer_number or 1)
         self.selective_recompute = config.recompute_granularity == "selective"
         self._rope_cache = (None, None, None)  # (freqs, cos, sin): the last rotary table seen, and its cos, sin
         self.linear_proj = RowParallelLinear(
@@ -119,24 +119,33 @@ class SelfAttention(MegatronModule):
             out = self.core_attention(q, k, v, mask=attention_mask)  # [s, b, np/tp * hn]
         return self.linear_proj(out)  # ([s(/tp), b, h], bias or None)
 
+    rope_scale = 1.0  # yarn's / longrope's attention factor on cos and sin (models/rope.py); the GPT sets it
+
     def _rope(self, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor):
-        c = self.config
-        if c.apply_rope_fusion or c.rotary_interleaved or freqs.shape[-1] != q.shape[-1]:
-            # TE's fused kernel, interleaved or partial RoPE: Megatron-Core's own
-            return apply_rotary_pos_emb(q, freqs, c), apply_rotary_pos_emb(k, freqs, c)
-        if self._rope_cache[0] is not freqs or self._rope_cache[1].dtype != q.dtype:  # RotaryEmbedding caches freqs
+        c, scale = self.config, self.rope_scale
+        if c.apply_rope_fusion or c.rotary_interleaved:  # TE's fused kernel or interleaved RoPE: Megatron-Core's own
+            return apply_rotary_pos_emb(q, freqs, c, mscale=scale), apply_rotary_pos_emb(k, freqs, c, mscale=scale)
+        if self._rope_cache[0] is not freqs or self._rope_cache[1].dtype != q.dtype:  # RotaryTables caches freqs
             half = freqs[..., :freqs.shape[-1] // 2]  # RoPE's angles: both halves of freqs are equal
-            self._rope_cache = (freqs, torch.cos(freqs).to(q.dtype),  # [s, 1, 1, hn] (packed: [s, b, 1, hn])
-                                torch.sin(half).to(q.dtype).contiguous())  # [s, 1, 1, hn/2]
+            cos, sin = torch.cos(freqs), torch.sin(half)  # [s, 1, 1, hn] (packed: [s, b, 1, hn]), [s, 1, 1, hn/2]
+            if scale != 1.0:  # in fp32, then rounded: transformers' (cos * attention_scaling).to(dtype)
+                cos, sin = cos * scale, sin * scale
+            self._rope_cache = (freqs, cos.to(q.dtype), sin.to(q.dtype).contiguous())
         _, cos, sin = self._rope_cache
-        return ApplyRope.apply(q, k, cos, sin)
+        rd = freqs.shape[-1]
+        if rd == q.shape[-1]:
+            return ApplyRope.apply(q, k, cos, sin)
+        # partial rotary (freqs [.., rd < hn]): each head's first rd values rotate, the rest pass (transformers' Phi-3)
+        q_rot, k_rot = ApplyRope.apply(q[..., :rd], k[..., :rd], cos, sin)
+        return torch.cat((q_rot, q[..., rd:]), dim=-1), torch.cat((k_rot, k[..., rd:]), dim=-1)
 
     @staticmethod
     def num_params(shape: ModelShape, split: Split) -> int:
         h, q, kv = shape.hidden_size, shape.q_width, shape.kv_width
         sharded = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.qkv_bias else 0)  # qkv and proj weights, qkv bias
-        norms = 2 * shape.kv_channels * (2 if shape.normalization == "LayerNorm" else 1) if shape.qk_norm else 0
-        return sharded // split.tp + (h if shape.add_bias_linear else 0) + norms  # proj bias, QK-norms: replicated
+        norms = qk_norm_params(shape, split)  # models/qk_norm.py: per head replicated, over q and k split
+        sinks = shape.num_attention_heads if shape.attention_sinks else 0  # [np], split like the heads
+        return (sharded + sinks) // split.tp + (h if shape.add_bias_linear else 0) + norms  # proj bias: replicated
 
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:
@@ -148,8 +157,9 @@ class SelfAttention(MegatronModule):
     def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:
         """linear_qkv's input; the Q, K and V the attention core keeps and its output (linear_proj's input is a
         view of it); QK-norm's inputs (Q regrouped into heads is a copy); under CP the gathered K and V (CP's
-        causal mask is one tensor for all layers: the estimate counts it once a stage); without flash attention
-        the s x s scores (Korthikanti et al. 2022's unfused core attention; not measured here)."""
+        causal mask is one tensor for all layers: the estimate counts it once a stage, as a sliding window's band);
+        without flash attention the s x s scores (Korthikanti et al. 2022's unfused core attention; not measured
+        here); with soft-capping or sinks the explicit scores' tanh output, fp32 softmax and its copy."""
         e, b, s, t = act.bytes, act.micro_batch, act.seq, split.tp
         q, kv, full = shape.q_width, shape.kv_width, act.seq * act.cp  # full: K/V length after the CP gather
         rope = shape.position_embedding == "rope"
@@ -166,9 +176,17 @@ class SelfAttention(MegatronModule):
         if shape.qk_norm and shape.heads_per_group > 1:  # QK-norm keeps its input Q: regrouped into heads, a copy
             width += q
         out = e * b * s * shape.hidden_size / act.seq_split(split) + e * b * s * width / t
-        if not act.flash and act.recompute == "none":  # softmax output (+ dropout mask and output) [b, np/tp, s, s]
-            dropout = 1 + e if act.attention_dropout else 0
-            out += (e + dropout) * shape.num_attention_heads * b * s * full / t
+        scores = shape.num_attention_heads * b * s * full / t  # elements of [b, np/tp, s, s_k]
+        if act.recompute != "none":  # selective recomputes the core (full: only the layer's input)
+            return out
+        if shape.attn_logit_softcap is not None or shape.attention_sinks:  # explicit scores (models/core_attention.py)
+            dropped = act.attention_dropout or e != 4  # the probabilities' copy the last matmul keeps
+            out += scores * (4 + (e if shape.attn_logit_softcap is not None else 0) + (e if dropped else 0) +
+                             (1 if act.attention_dropout else 0))  # fp32 softmax, tanh's output, the copy, a mask
+            if shape.attention_sinks:
+                out += 4 * shape.num_attention_heads * b * s / t  # the softmax's sink column
+        elif not act.flash:  # softmax output (+ dropout mask and output) [b, np/tp, s, s]
+            out += (e + (1 + e if act.attention_dropout else 0)) * scores
         return out
 
     # ---- Hugging Face interop (Llama, Qwen2, Qwen3): this block's weights <-> HF's `self_attn.*` -------------
@@ -189,6 +207,8 @@ class SelfAttention(MegatronModule):
             out[f"linear_proj.{kind}"] = get(f"o_proj.{kind}")
         for ours, hf in _QK_NORMS if config.qk_layernorm else ():
             out.update({f"{ours}.{n}": get(f"{hf}.{n}") for n in _norm_kinds(config)})
+        if config.softmax_type == "learnable":  # gpt-oss's sinks [np]
+            out[_SINKS[0]] = get(_SINKS[1])
         return out
 
     @staticmethod
@@ -204,10 +224,13 @@ class SelfAttention(MegatronModule):
             out[f"o_proj.{kind}"] = get(f"linear_proj.{kind}")
         for ours, hf in _QK_NORMS if config.qk_layernorm else ():
             out.update({f"{hf}.{n}": get(f"{ours}.{n}") for n in _norm_kinds(config)})
+        if config.softmax_type == "learnable":
+            out[_SINKS[1]] = get(_SINKS[0])
         return out
 
 
 _QK_NORMS = (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))
+_SINKS = ("core_attention.softmax_offset", "sinks")  # ours (Megatron-Core's name), HF's (self_attn.sinks)
 
 
 def _hf_kinds(config: TransformerConfig, qkv: bool) -> tuple[str, ...]:

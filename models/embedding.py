@@ -6,6 +6,9 @@ activations are replicated across TP ranks and dropout uses the default stream, 
 of them, as in Megatron-Core's LanguageModelEmbedding. With the vocabulary left out of parallel.tp_blocks
 (models/tp_blocks.py: the config is marked `tp_replicated`) the table is whole on every TP rank (a TP duplicate,
 no all-reduce); its rows are padded as at the layout's tp either way, so checkpoints keep one shape.
+`model.scale_embedding` (Gemma) multiplies the token embeddings by sqrt(hidden_size) rounded to their dtype, as
+transformers does (`torch.tensor(hidden ** 0.5, dtype=x.dtype)`: 11.3125 in bf16 for h 128, not 11.3137); the
+output layer (tied or not) reads the table unscaled.
 """
 
 import torch
@@ -55,6 +58,8 @@ class Embedding(MegatronModule):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [b, s]; positions [b, s] (generation: each sequence's own), else 0..s-1."""
         x = self.word_embeddings(input_ids)  # [b, s, h] (VocabParallelEmbedding all-reduces over TP)
+        if getattr(self.config, "scale_embedding", False):  # set by training/engine/bridge.py
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype, device=x.device)  # in x's dtype
         if self.position_embeddings is not None:
             if positions is None:
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_sharded_tensor_for_checkpoint
@@ -26,9 +25,10 @@ from megatron.core.utils import make_sharded_tensor_for_checkpoint
 from models.core_attention import packed_mask
 from models.embedding import Embedding
 from models.kv_cache import KVCache
-from models.layer import HF_NAMES
+from models.layer import hf_names
 from models.linear import ColumnParallelLinear
 from models.norm import Norm
+from models.rope import RotaryTables
 from models.shape import ModelShape, Split
 from models.spec import layer_spec
 from models.stack import TransformerStack, stage_layer_numbers
@@ -53,17 +53,16 @@ class GPT(LanguageModule):
             self.embedding = Embedding(vocab_config, self.padded_vocab_size, shape.seq_length,
                                        learned_positions=shape.position_embedding == "learned")
         self.rotary_pos_emb = None
-        if shape.position_embedding == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent=1.0,
-                                                  rotary_base=shape.rotary_base,
-                                                  use_cpu_initialization=config.use_cpu_initialization)
-            if (scaling := shape.rope_scaling) is not None:  # Llama 3.x: Megatron-Core's formula, the checkpoint's
-                rope = self.rotary_pos_emb  # parameters (its own rope_scaling flag fixes all but the factor)
-                rope.inv_freq = rope._apply_scaling(
-                    rope.inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
-                    high_freq_factor=scaling.high_freq_factor,
-                    original_max_position_embeddings=scaling.original_max_position)  # [hn/2]
+        if shape.position_embedding == "rope":  # every scaling type, partial rotary, a local base (models/rope.py)
+            self.rotary_pos_emb = RotaryTables(shape, use_cpu_initialization=config.use_cpu_initialization)
         self.decoder = TransformerStack(config, shape, post_process=post_process, vp_stage=vp_stage)
+        for layer in self.decoder.layers if self.rotary_pos_emb is not None else ():  # yarn / longrope: cos, sin
+            scale = self.rotary_pos_emb.attention_factor(shape.layer_types[layer.layer_number - 1])  # scaled
+            if scale != 1.0 and not hasattr(layer.self_attention, "rope_scale"):
+                raise ValueError(f"{type(layer.self_attention).__name__} has no rope_scale: it cannot apply "
+                                 f"model.rope_scaling.type={shape.rope_scaling.type}'s attention factor {scale}")
+            if scale != 1.0:
+                layer.self_attention.rope_scale = scale
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, config=vocab_config, init_method=config.init_method,
@@ -104,14 +103,16 @@ class GPT(LanguageModule):
         freqs = mask = None
         if segment_ids is not None:
             mask = packed_mask(segment_ids, x.dtype)  # [b, 1, s, s], once for every layer
-        if self.rotary_pos_emb is not None and (cache is not None or segment_ids is not None):  # per token
+        rope = self.rotary_pos_emb
+        if rope is not None and (cache is not None or segment_ids is not None):  # per token
             longest = cache.max_length if cache is not None else segment_ids.shape[1]
-            table = self.rotary_pos_emb(longest)  # [longest, 1, 1, hn]
-            freqs = table[:, 0, 0, :][position_ids.t()].unsqueeze(2)  # [s, b, 1, hn]
-        elif self.rotary_pos_emb is not None:
+            end = int(position_ids.max()) + 1 if rope.length_dependent else None  # dynamic, longrope: transformers'
+            tables = rope(longest, end, cp_slice=False)  # [longest, 1, 1, rd] (or {kind: table})
+            freqs = _per_token(tables, position_ids)  # [s, b, 1, rd]
+        elif rope is not None:
             sp_factor = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-            # the full length's table; under CP Megatron-Core's RotaryEmbedding keeps this rank's zigzag rows
-            freqs = self.rotary_pos_emb(x.shape[0] * sp_factor * self.config.context_parallel_size)  # [s/cp, 1, 1, hn]
+            # the full length's table; under CP this rank's zigzag rows of it (as Megatron-Core's RotaryEmbedding)
+            freqs = rope(x.shape[0] * sp_factor * self.config.context_parallel_size)  # [s/cp, 1, 1, rd]
         x = self.decoder(x, freqs, cache, mask)
         if cache is not None:
             cache.advance(x.shape[0])
@@ -120,6 +121,8 @@ class GPT(LanguageModule):
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
             else None
         logits, _ = self.output_layer(x, weight=weight)  # [s, b, V_padded/tp] (SP: gathered along s)
+        if (cap := self.shape.final_logit_softcap) is not None:  # Gemma 2; elementwise: TP-safe. Before the
+            logits = torch.tanh(logits / cap) * cap  # padding mask (tanh(-inf) would give padding -cap)
         if self._local_valid_vocab < logits.shape[-1]:  # padded vocab rows get no probability mass
             pad = torch.arange(logits.shape[-1], device=logits.device) >= self._local_valid_vocab
             logits = logits.masked_fill(pad, float("-inf"))
@@ -151,6 +154,13 @@ class GPT(LanguageModule):
             state[key] = make_sharded_tensor_for_checkpoint(self.output_layer.weight, state[key].key,
                                                             replica_id=replica, allow_shape_mismatch=True)
         return state
+
+
+def _per_token(tables, position_ids: torch.Tensor):
+    """Each token's row of a [longest, 1, 1, rd] table (or of each kind's): [s, b, 1, rd]."""
+    if isinstance(tables, dict):
+        return {kind: _per_token(table, position_ids) for kind, table in tables.items()}
+    return tables[:, 0, 0, :][position_ids.t()].unsqueeze(2)
 
 
 # ---- sizes: the whole model's parameter count and FLOPs, summed from each block's own declaration ----------
@@ -191,7 +201,7 @@ def flops_per_token(shape: ModelShape, tp: int = 1, kinds: tuple[str, ...] | Non
 
 # ---- Hugging Face interop (Llama family): the whole GPT's weights <-> HF's LlamaForCausalLM names -------------
 # Walks the blocks (each declares its own mapping as from_hf / to_hf: models/embedding.py, attention.py, mlp.py,
-# norm.py; the layer's sub-block names are models/layer.py's HF_NAMES) one layer at a time, so a converter can
+# norm.py; the layer's sub-block names are models/layer.py's hf_names) one layer at a time, so a converter can
 # stream. `get` reads a full (unsharded) tensor by name, each side's names; the GPT side is the full state of
 # this config's layout, so vocab rows are padded to shape.padded_vocab(tp) with zeros on the way in and the
 # padding is dropped on the way out. lm_head exists only for untied embeddings; RoPE has no weights.
@@ -216,7 +226,7 @@ def _hf_walk(shape: ModelShape, config: TransformerConfig):
             if not hasattr(block, "from_hf"):
                 raise ValueError(f"block {block.__module__}.{block.__name__} ({name}) has no Hugging Face "
                                  f"mapping: give it from_hf / to_hf (see models/mlp.py)")
-            hf_name = block.hf_name(config) if hasattr(block, "hf_name") else HF_NAMES[name]  # MoE: Mixtral's
+            hf_name = block.hf_name(config) if hasattr(block, "hf_name") else hf_names(shape)[name]  # MoE: Mixtral's
             # block_sparse_moe or Qwen3-MoE's mlp
             yield f"decoder.layers.{i}.{name}.", f"model.layers.{i}.{hf_name}.", block, False
     yield "decoder.final_layernorm.", "model.norm.", Norm, False

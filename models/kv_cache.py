@@ -8,7 +8,9 @@ them) and the batch's left padding, from which the new tokens' positions and att
 A model built for training takes cache=None and is unchanged. The attention block (models/attention.py)
 stores its new keys and values with `store` and attends with `mask`; the GPT (models/gpt.py) takes the
 rotary positions from `positions` and calls `advance` after each forward. A pipeline stage holds the
-entries of its own layers. Nothing here communicates.
+entries of its own layers. Nothing here communicates. A sliding-window layer keeps every position too and
+narrows `mask` to its window (models/core_attention.with_window: cache slots q - window < k <= q; left
+padding shifts queries and keys alike, as in transformers).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class KVCache:
     pad: torch.Tensor  # [b] left-padding of each sequence (its first pad[i] positions are not tokens)
     length: int = 0  # positions already cached
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (K, V)
+    _mask: tuple = (None, None)  # ((length, new), mask): one per forward, shared by every layer
 
     def positions(self, new: int) -> torch.Tensor:
         """[b, new] the positions of the next `new` tokens in their own sequence (padding does not count)."""
@@ -47,13 +50,17 @@ class KVCache:
         """[b, 1, new, length + new] bool, True where a new token may attend: causal, never to padding. A
         padding position attends to itself only (a row with nothing to attend to would give NaN, and NaN
         values stay NaN even under a zero weight); no real token ever sees it."""
+        if self._mask[0] == (self.length, new):
+            return self._mask[1]
         total = self.length + new
         keys = torch.arange(total, device=self.pad.device)
         queries = torch.arange(self.length, total, device=self.pad.device)
         causal = keys[None, :] <= queries[:, None]  # [new, total]
         real = keys[None, :] >= self.pad[:, None]  # [b, total]
         itself = keys[None, :] == queries[:, None]  # [new, total]
-        return ((causal[None] & real[:, None, :]) | itself[None])[:, None]  # [b, 1, new, total]
+        mask = ((causal[None] & real[:, None, :]) | itself[None])[:, None]  # [b, 1, new, total]
+        self._mask = ((self.length, new), mask)
+        return mask
 
     def advance(self, new: int) -> None:
         self.length += new

@@ -1,4 +1,5 @@
-"""MLP: ColumnParallelLinear (h -> ffn/tp, or 2*ffn/tp gate|up for SwiGLU) -> act -> RowParallelLinear.
+"""MLP: ColumnParallelLinear (h -> ffn/tp, or 2*ffn/tp gate|up when gated) -> act -> RowParallelLinear.
+Activations (model.activation): gelu; swiglu, SiLU(gate) * up; geglu_tanh, GeLU-tanh(gate) * up (Gemma).
 
 Weight layout (SwiGLU): the full fc1 weight is [gate; up] ([2*ffn, h]). `stride=2` makes each TP rank
 hold [gate_r; up_r], so the local output splits into the rank's gate and up halves.
@@ -66,7 +67,7 @@ class MLP(MegatronModule):
             x = bias_swiglu_impl(x, None)  # [s, b, 2*ffn/tp] -> [s, b, ffn/tp]: MCore's compiled SwiGLU
         elif self.gated and self.activation is F.silu:
             x = SwiGLU.apply(x)  # [s, b, 2*ffn/tp] -> [s, b, ffn/tp]
-        elif self.gated:
+        elif self.gated:  # GeGLU (the activation is F.gelu(approximate="tanh"), training/engine/bridge.py)
             gate, up = torch.chunk(x, 2, dim=-1)  # 2 x [s, b, ffn/tp]
             x = self.activation(gate) * up
         else:
@@ -101,8 +102,10 @@ class MLP(MegatronModule):
     def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:
         """fc1's input [s(/tp), b, h] and ffn/tp-wide tensors: GELU's input and output (fc2's input); SwiGLU the
         fc1 output (gate|up, 2 wide), SiLU(gate) and the product, or with the fused kernel (model.fused_kernels)
-        only the fc1 output and the product (Megatron-Core's SwiGLUFunction recomputes the rest in backward)."""
-        kept = 2 if not shape.gated else 3 if act.fused else 4
+        only the fc1 output and the product (Megatron-Core's SwiGLUFunction recomputes the rest in backward).
+        GeGLU (never fused) as unfused SwiGLU."""
+        fused = act.fused and shape.activation == "swiglu"
+        kept = 2 if not shape.gated else 3 if fused else 4
         return act.bytes * act.tokens * (shape.hidden_size / act.seq_split(split) +
                                          kept * shape.ffn_hidden_size / split.tp)
 
@@ -128,5 +131,5 @@ class MLP(MegatronModule):
 
 def _hf_kinds(config: TransformerConfig) -> tuple[str, ...]:
     if not config.gated_linear_unit:
-        raise ValueError("a Llama-style MLP is gated (SwiGLU: model.activation=swiglu); this one is not")
+        raise ValueError("a Llama-style MLP is gated (model.activation=swiglu or geglu_tanh); this one is not")
     return ("weight", "bias") if config.add_bias_linear else ("weight",)

@@ -3,6 +3,11 @@
 Under sequence parallelism each TP rank normalises its own slice of the sequence with the same
 (replicated) weight, so the weight's gradient is partial: the `sequence_parallel` attribute tells
 Megatron-Core's `finalize_model_grads` to all-reduce it across the TP group.
+
+Zero-centred (`model.norm_zero_centered`, Megatron-Core's `layernorm_zero_centered_gamma`, Gemma): the norm
+applies (1 + weight) and the weight starts at 0; the stored weight is Gemma's as it is. (1 + weight) and, below
+fp32, the norm itself are computed in fp32 and rounded once, as transformers' Gemma2RMSNorm does (bf16's 1 + w
+would round a small w away).
 """
 
 import torch
@@ -50,7 +55,9 @@ class Norm(MegatronModule):
         self.kind = config.normalization  # "LayerNorm" | "RMSNorm"
         self.eps = config.layernorm_epsilon
         size = size or config.hidden_size
-        self.weight = torch.nn.Parameter(torch.ones(size, dtype=config.params_dtype))
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered else torch.ones  # a constant: training/engine/init.py keeps it
+        self.weight = torch.nn.Parameter(init(size, dtype=config.params_dtype))
         if self.kind == "LayerNorm":
             self.bias = torch.nn.Parameter(torch.zeros(size, dtype=config.params_dtype))
         elif self.kind == "RMSNorm":
@@ -61,12 +68,18 @@ class Norm(MegatronModule):
             param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h] (or [s, b, heads/tp, hn]) -> same
+        if self.zero_centered:  # (1 + w) and the norm in fp32 (module docstring), rounded once to x's dtype
+            return self._norm(x.float(), self.weight.float() + 1).to(x.dtype)
+        return self._norm(x, self.weight)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
+            bias = self.bias.to(x.dtype) if self.bias is not None else None
+            return F.layer_norm(x, shape, weight, bias, self.eps)
         if x.device.type == "cpu" and torch.is_grad_enabled():  # CUDA has a fused backward kernel; CPU has not
-            return RMSNormCPU.apply(x, self.weight, self.eps)
-        return F.rms_norm(x, shape, self.weight, self.eps)
+            return RMSNormCPU.apply(x, weight, self.eps)
+        return F.rms_norm(x, shape, weight, self.eps)
 
     @staticmethod
     def num_params(shape: ModelShape, split: Split) -> int:  # replicated on every TP rank
@@ -78,8 +91,10 @@ class Norm(MegatronModule):
 
     @staticmethod
     def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:
-        """Its input [s(/tp), b, h] (the fp32 statistics, 1 or 2 per token, are left out)."""
-        return act.bytes * act.tokens * shape.hidden_size / act.seq_split(split)
+        """Its input [s(/tp), b, h] (the fp32 statistics, 1 or 2 per token, are left out); zero-centred, the
+        input's fp32 copy below fp32."""
+        e = max(act.bytes, 4) if shape.norm_zero_centered else act.bytes
+        return e * act.tokens * shape.hidden_size / act.seq_split(split)
 
     # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `*layernorm` / `norm` ---------
     # The same names on both sides ("weight", "bias" for LayerNorm; Llama's RMSNorm has no bias). `get` reads

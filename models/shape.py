@@ -51,12 +51,22 @@ class LayerBlocks:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's RoPE frequency scaling (the checkpoint's parameters; models/gpt.py applies it to the table)."""
+    """RoPE frequency scaling, the checkpoint's parameters (models/rope.py computes the tables from them; the
+    meaning of each: training/config/schema.py's RopeScalingConfig)."""
 
+    type: str  # llama3 | linear | dynamic | yarn | longrope
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -80,6 +90,8 @@ class ModelShape:
     add_bias_linear: bool = _tag(WEIGHTS)
     qkv_bias: bool = _tag(WEIGHTS)  # resolved: also true with add_bias_linear
     qk_norm: bool = _tag(WEIGHTS)
+    qk_norm_span: str = _tag(WEIGHTS)  # head: weights [hn] | projection: [np*hn] and [ng*hn] (models/qk_norm.py)
+    norm_placement: str = _tag(WEIGHTS)  # pre | sandwich | post: which norms a layer has (models/spec.py)
     tie_embeddings: bool = _tag(WEIGHTS)
     # layer i+1's blocks (Megatron numbers layers from 1): a MoE layer's MLP is "moe"
     layers: tuple[LayerBlocks, ...] = _tag(WEIGHTS, "attention", "mlp", "moe.layer_freq", "moe.first_dense",
@@ -89,16 +101,25 @@ class ModelShape:
     moe_shared_ffn_hidden_size: int | None = _tag(WEIGHTS, "moe.shared_expert_ffn_hidden_size")
     rotary_base: float = _tag(NUMERICS)
     rope_scaling: RopeScaling | None = _tag(NUMERICS, *(f"rope_scaling.{k}" for k in (
-        "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position")))  # None: plain RoPE
+        "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position", "beta_fast", "beta_slow",
+        "mscale", "mscale_all_dim", "attention_factor", "truncate", "short_factor", "long_factor")))  # None: plain
+    partial_rotary_factor: float = _tag(NUMERICS)  # RoPE rotates the first int(kv_channels * this) of each head
+    rotary_base_local: float | None = _tag(NUMERICS)  # "sliding" layers' base, plain RoPE; None: as full layers
     norm_epsilon: float = _tag(NUMERICS)
+    norm_zero_centered: bool = _tag(NUMERICS)  # every norm applies (1 + weight) (Gemma; models/norm.py)
+    scale_embedding: bool = _tag(NUMERICS)  # embeddings times sqrt(hidden_size) (Gemma; models/embedding.py)
     moe_top_k: int = _tag(NUMERICS, "moe.top_k")
     moe_score_function: str = _tag(NUMERICS, "moe.score_function")
     moe_pre_softmax: bool = _tag(NUMERICS, "moe.pre_softmax")
-    # a Hugging Face checkpoint's attention window (a query sees itself and the window - 1 tokens before it, as
-    # transformers' Mistral); None: none. Our attention is full causal: equal up to seq_length == window
+    # the sliding layers' attention window (a query sees itself and the window - 1 tokens before it, as
+    # transformers' Mistral: q - window < k <= q); None: none
     sliding_window: int | None = _tag(NUMERICS)
     # each layer's attention: "sliding" (within sliding_window) or "full"; resolved: all sliding with a window
     layer_types: tuple[str, ...] = _tag(NUMERICS, "layer_types", "sliding_window")
+    attn_logit_softcap: float | None = _tag(NUMERICS)  # Gemma 2's cap * tanh(scores / cap); None: none
+    final_logit_softcap: float | None = _tag(NUMERICS)  # Gemma 2's cap * tanh(logits / cap); None: none
+    query_pre_attn_scalar: float | None = _tag(NUMERICS)  # softmax scale = this ** -0.5; None: 1/sqrt(kv_channels)
+    attention_sinks: bool = _tag(WEIGHTS)  # gpt-oss's learned per-head logit in the softmax denominator
     seq_length: int = _tag(RUN)  # also the learned-positions table size
     make_vocab_size_divisible_by: int = _tag(RUN)
 
@@ -120,14 +141,22 @@ class ModelShape:
             position_embedding=str(model.position_embedding), normalization=str(model.normalization),
             activation=str(model.activation), add_bias_linear=bool(model.add_bias_linear),
             qkv_bias=bool(model.qkv_bias or model.add_bias_linear), qk_norm=bool(model.qk_norm),
+            qk_norm_span=str(model.qk_norm_span), norm_placement=str(model.norm_placement),
+            norm_zero_centered=bool(model.norm_zero_centered), scale_embedding=bool(model.scale_embedding),
             tie_embeddings=bool(model.tie_embeddings), layers=layers,
             num_experts=moe.num_experts or None, moe_ffn_hidden_size=(moe.ffn_hidden_size or ffn) if moe.num_experts
             else None, moe_shared_ffn_hidden_size=moe.shared_expert_ffn_hidden_size or None,
             rotary_base=float(model.rotary_base), rope_scaling=_rope_scaling(model.rope_scaling),
+            partial_rotary_factor=float(model.partial_rotary_factor),
+            rotary_base_local=None if model.rotary_base_local is None else float(model.rotary_base_local),
             norm_epsilon=float(model.norm_epsilon),
             moe_top_k=moe.top_k, moe_score_function=str(moe.score_function), moe_pre_softmax=bool(moe.pre_softmax),
             sliding_window=model.sliding_window,
             layer_types=_layer_types(model),
+            attn_logit_softcap=_optional_float(model, "attn_logit_softcap"),
+            final_logit_softcap=_optional_float(model, "final_logit_softcap"),
+            query_pre_attn_scalar=_optional_float(model, "query_pre_attn_scalar"),
+            attention_sinks=bool(getattr(model, "attention_sinks", False)),
             seq_length=model.seq_length, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
     # ---- derived sizes ----------------------------------------------------------------------------------
@@ -148,8 +177,8 @@ class ModelShape:
         return self.num_query_groups * self.kv_channels
 
     @property
-    def gated(self) -> bool:  # SwiGLU: fc1 computes gate and up
-        return self.activation == "swiglu"
+    def gated(self) -> bool:  # SwiGLU, GeGLU: fc1 computes gate and up
+        return self.activation in ("swiglu", "geglu_tanh")
 
     def padded_vocab(self, tp: int) -> int:
         if self.vocab_size is None:
@@ -158,7 +187,11 @@ class ModelShape:
 
     def problems(self) -> list[str]:
         """The shape's own rules, one line each (training/config/validate.py asks for them)."""
-        window, seq = self.sliding_window, self.seq_length
+        if (problem := _norm_problem(self)) is not None:
+            return [problem]
+        if rope := _rope_problems(self):
+            return rope
+        window = self.sliding_window
         if window is not None and window < 1:
             return [f"model.sliding_window={window} must be >= 1 (or null: no window)"]
         if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
@@ -166,11 +199,9 @@ class ModelShape:
                     f"model.num_layers={self.num_layers} layers (or null)"]
         if window is None and "sliding" in self.layer_types:
             return ["model.layer_types names sliding layers: set model.sliding_window (their window, in tokens)"]
-        if window is not None and seq > window:  # the real sliding window is not built yet
-            return [f"model.seq_length={seq} is longer than model.sliding_window={window}, the attention window of the "
-                    f"imported checkpoint: our attention is full, which equals sliding-window attention only up to "
-                    f"the window: set model.seq_length={window} or less"]
-        return []
+        return [f"model.{name}={value} must be > 0 (or null: none)" for name in
+                ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar")
+                if (value := getattr(self, name)) is not None and not value > 0]
 
     # ---- comparisons ------------------------------------------------------------------------------------
     def fields_of(self, *kinds: str) -> dict:
@@ -198,8 +229,44 @@ def _layer_types(model) -> tuple[str, ...]:
     return ("sliding" if model.sliding_window is not None else "full",) * model.num_layers
 
 
+def _optional_float(model, name: str) -> float | None:
+    value = getattr(model, name, None)
+    return None if value is None else float(value)
+
+
+def _rope_problems(shape: ModelShape) -> list[str]:
+    """RoPE's own rules: whole pairs rotated, a local base > 0, longrope's factors one per rotated pair."""
+    p, hn = shape.partial_rotary_factor, shape.kv_channels
+    dim = int(hn * p)
+    if not 0 < p <= 1 or dim < 2 or dim % 2:
+        return [f"model.partial_rotary_factor={p}: RoPE rotates int(kv_channels * it) = {dim} of each head's {hn} "
+                f"values, which must be an even number >= 2 (0 < factor <= 1)"]
+    if shape.rotary_base_local is not None and shape.rotary_base_local <= 0:
+        return [f"model.rotary_base_local={shape.rotary_base_local} must be > 0 (or null: the full layers' base)"]
+    r = shape.rope_scaling
+    if r is not None and r.type == "longrope" and not len(r.short_factor or ()) == len(r.long_factor or ()) == dim // 2:
+        return [f"model.rope_scaling.type=longrope needs short_factor and long_factor with one value per rotated pair: "
+                f"{dim // 2} each (have {len(r.short_factor or ())}, {len(r.long_factor or ())})"]
+    return []
+
+
 def _rope_scaling(scaling) -> RopeScaling | None:
     if str(scaling.type) == "none":
         return None
-    return RopeScaling(float(scaling.factor), float(scaling.low_freq_factor), float(scaling.high_freq_factor),
-                       int(scaling.original_max_position))
+    floats = lambda v: None if v is None else tuple(float(x) for x in v)  # noqa: E731 (hashable: the shape is a key)
+    optional = lambda v: None if v is None else float(v)  # noqa: E731
+    return RopeScaling(
+        str(scaling.type), float(scaling.factor), float(scaling.low_freq_factor), float(scaling.high_freq_factor),
+        int(scaling.original_max_position), float(scaling.beta_fast), float(scaling.beta_slow),
+        optional(scaling.mscale), optional(scaling.mscale_all_dim), optional(scaling.attention_factor),
+        bool(scaling.truncate), floats(scaling.short_factor), floats(scaling.long_factor))
+
+
+def _norm_problem(shape: ModelShape) -> str | None:
+    """The whole-projection QK-norm (OLMo 2) is an RMSNorm, and model.qk_norm turns it on."""
+    if shape.qk_norm_span == "projection" and not shape.qk_norm:
+        return "model.qk_norm_span=projection says what model.qk_norm spans: set model.qk_norm=true as well"
+    if shape.qk_norm and shape.qk_norm_span == "projection" and shape.normalization != "RMSNorm":
+        return (f"model.qk_norm_span=projection is OLMo 2's RMSNorm over all of q and k: set "
+                f"model.normalization=RMSNorm (it is {shape.normalization}) or model.qk_norm_span=head")
+    return None

@@ -25,7 +25,9 @@ edit of the layer, the stack or the engine. A block is a Megatron-Core `Megatron
     Block.hf_name(config) (optional)                        its HF module name, when not the sub-block's (MoE)
 
 The sub-block names are Megatron-Core's (`input_layernorm`, `self_attention`, `pre_mlp_layernorm`, `mlp`),
-so parameter names match its GPTModel and the checkpoints line up.
+so parameter names match its GPTModel and the checkpoints line up. `model.norm_placement` picks the norms:
+pre (those two), sandwich (Gemma 2/3: also `post_attention_layernorm` and `post_mlp_layernorm`, each on its
+sub-block's output before the residual add), post (OLMo 2: only the two after).
 """
 
 from __future__ import annotations
@@ -85,17 +87,25 @@ def block_problem(name: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerSpec:
-    """One layer's sub-blocks in forward order; the field names are the layer's module names."""
+    """One layer's sub-blocks in forward order; the field names are the layer's module names. A norm the
+    placement leaves out is None."""
 
-    input_layernorm: type
+    input_layernorm: type | None
     self_attention: type
-    pre_mlp_layernorm: type
+    post_attention_layernorm: type | None = None
+    pre_mlp_layernorm: type | None
     mlp: type
+    post_mlp_layernorm: type | None = None
 
     def items(self) -> list[tuple[str, type]]:
-        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+        """The sub-blocks this layer has (name, class)."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
+
+    def absent(self) -> list[str]:
+        """The names of the norms this layer leaves out."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is None]
 
 
 def layer_spec(shape: ModelShape, layer_number: int) -> LayerSpec:
@@ -103,8 +113,11 @@ def layer_spec(shape: ModelShape, layer_number: int) -> LayerSpec:
     from models.norm import Norm
 
     blocks = shape.layers[layer_number - 1]
-    return LayerSpec(input_layernorm=Norm, self_attention=resolve_block(blocks.attention),
-                     pre_mlp_layernorm=Norm, mlp=resolve_block(blocks.mlp))
+    before = None if shape.norm_placement == "post" else Norm  # pre, sandwich: a norm on each sub-block's input
+    after = None if shape.norm_placement == "pre" else Norm  # sandwich, post: one on each sub-block's output
+    return LayerSpec(input_layernorm=before, self_attention=resolve_block(blocks.attention),
+                     post_attention_layernorm=after, pre_mlp_layernorm=before, mlp=resolve_block(blocks.mlp),
+                     post_mlp_layernorm=after)
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,6 +19,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from models.layer import TransformerLayer
 from models.norm import Norm
+from models.rope import for_layer
 from models.shape import ModelShape
 
 
@@ -40,19 +41,22 @@ class TransformerStack(MegatronModule):
             TransformerLayer(config, shape, layer_number=self.offset + i + 1) for i in range(count)
         )
         self.final_layernorm = Norm(config) if post_process else None
+        self.layer_kinds = [shape.layer_types[layer.layer_number - 1] for layer in self.layers]  # full | sliding
         self.full_recompute = config.recompute_granularity == "full"
 
-    def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None, cache=None,
+    def forward(self, x: torch.Tensor, rotary_freqs, cache=None,
                 attention_mask: torch.Tensor | None = None):  # [s(/tp), b, h]; mask [b, 1, s, s] (packed)
+        # rotary_freqs: one RoPE table [s, 1, 1, rd] for every layer, or {layer kind: table} (models/rope.py)
         # Under SP each TP rank holds different tokens: hidden dropout must differ across ranks.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel \
             else contextlib.nullcontext()
         with rng:
-            for layer in self.layers:
+            for layer, kind in zip(self.layers, self.layer_kinds):
+                freqs = for_layer(rotary_freqs, kind)  # its kind's RoPE table (models/rope.py: Gemma 3's local base)
                 if self.full_recompute and self.training:  # keep only each layer's input
-                    x = tensor_parallel.checkpoint(layer, False, x, rotary_freqs, None, attention_mask)
+                    x = tensor_parallel.checkpoint(layer, False, x, freqs, None, attention_mask)
                 else:
-                    x = layer(x, rotary_freqs, cache, attention_mask)
+                    x = layer(x, freqs, cache, attention_mask)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -31,6 +31,7 @@ FUSED = ["model.fused_kernels=true"]
 CASES = {
     "norm-rmsnorm": ([], "input_layernorm"),
     "norm-layernorm": (["model.normalization=LayerNorm"], "input_layernorm"),
+    "norm-zero-centered-bf16": (["model.norm_zero_centered=true", "train.precision=bf16"], "input_layernorm"),
     "attention-rope-gqa": ([], "self_attention"),
     "attention-rope-bf16": (["train.precision=bf16"], "self_attention"),
     "attention-learned-gqa": (["model.position_embedding=learned"], "self_attention"),
@@ -39,7 +40,14 @@ CASES = {
     "attention-cp2": (["parallel.cp=2", f"model.seq_length={2 * S}"], "self_attention"),
     "attention-qk-norm": (["model.qk_norm=true", "model.qkv_bias=true", "model.kv_channels=48"], "self_attention"),
     "attention-qk-norm-cp2": (["model.qk_norm=true", "parallel.cp=2", f"model.seq_length={2 * S}"], "self_attention"),
+    # a sliding window (SDPA, its mask shared by the layers); soft-capping and sinks: the explicit scores
+    "attention-window": ([f"model.sliding_window={S // 4}"], "self_attention"),
+    "attention-softcap-sinks": (["model.attn_logit_softcap=20", "model.attention_sinks=true"], "self_attention"),
+    "attention-sinks-bf16-cp2": (["model.attention_sinks=true", "train.precision=bf16", "parallel.cp=2",
+                                  f"model.seq_length={2 * S}"], "self_attention"),
+    "attention-qk-norm-projection": (["model.qk_norm=true", "model.qk_norm_span=projection"], "self_attention"),
     "mlp-swiglu": ([], "mlp"),
+    "mlp-geglu-fused": (["model.activation=geglu_tanh", *FUSED], "mlp"),
     "mlp-swiglu-fused": (FUSED, "mlp"),
     "mlp-gelu": (["model.activation=gelu", "model.add_bias_linear=true"], "mlp"),
     "gated_mlp-swiglu": (["model.mlp=gated_mlp"], "mlp"),
@@ -49,6 +57,9 @@ CASES = {
     "moe-gelu": ([*MOE, "model.activation=gelu"], "mlp"),
     "moe-shared-bf16": ([*MOE, "model.moe.shared_expert_ffn_hidden_size=64", "train.precision=bf16"], "mlp"),
     "layer-dense": ([], None),
+    # Gemma 2/3's sandwich norms (four a layer), OLMo 2's post-norms (no input norms) with its QK-norm
+    "layer-sandwich": (["model.norm_placement=sandwich", "model.norm_zero_centered=true"], None),
+    "layer-post": (["model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_span=projection"], None),
     "layer-moe-bf16": ([*MOE, "train.precision=bf16"], None),
 }
 

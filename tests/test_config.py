@@ -48,7 +48,7 @@ INVALID = {
     "recompute-choice": (["model.recompute=some"], 1,
                          "model.recompute: Invalid value 'some', expected one of [none, selective, full]"),
     "activation-choice": (["model.activation=relu"], 1,
-                          "model.activation: Invalid value 'relu', expected one of [gelu, swiglu]"),
+                          "model.activation: Invalid value 'relu', expected one of [gelu, swiglu, geglu_tanh]"),
     "fused-kernels-bool": (["model.fused_kernels=maybe"], 1, "model.fused_kernels: Value 'maybe' is not a valid bool"),
     "comma-value": (["data.split=98,2,0"], 1, "data.split=98,2,0: a value with commas needs quotes (text, as "
                                               "data.split: \"data.split='98,2,0'\") or brackets"),

@@ -18,8 +18,9 @@ if importlib.util.find_spec("transformers") is None or importlib.util.find_spec(
 
 # what a family has that the template cannot express: each refused naming the field and the value config.json holds
 UNSUPPORTED = {
-    "rope_scaling.rope_type='yarn'": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-    "rope_parameters.rope_type='dynamic'": dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+    # every RoPE type transformers' ROPE_INIT_FUNCTIONS has imports (tests/test_rope.py) but Gemma 4's proportional
+    "rope_scaling.rope_type='proportional'": dict(rope_scaling={"rope_type": "proportional", "factor": 4.0}),
+    "rope_parameters.rope_type='proportional'": dict(rope_parameters={"rope_type": "proportional"}),
     "model_type='gemma2'": dict(model_type="gemma2"), "hidden_act='gelu'": dict(hidden_act="gelu"),
     # Llama: q, k, v, o biases (attention_bias) apart from the MLP's (mlp_bias): the field the checkpoint sets
     "attention_bias=True (supported: only with mlp_bias=true": dict(attention_bias=True, mlp_bias=False),

@@ -14,7 +14,10 @@ PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 # every preset, and two with the README's example block (gated_mlp: with and without biases)
 BUILDS = {name: [f"model={name}"] for name in PRESETS} | {
     "tiny+gated_mlp": ["model=tiny", "model.mlp=gated_mlp"],
-    "gpt2_124m+gated_mlp": ["model=gpt2_124m", "model.mlp=gated_mlp"]}
+    "gpt2_124m+gated_mlp": ["model=gpt2_124m", "model.mlp=gated_mlp"],
+    # Gemma 2/3's four norms a layer and per-head QK-norm; OLMo 2's two post-norms and whole-projection QK-norm
+    "tiny+sandwich": ["model=tiny", "model.norm_placement=sandwich", "model.qk_norm=true"],
+    "tiny+post": ["model=tiny", "model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_span=projection"]}
 
 
 def _built_counts(builds: dict) -> dict:

@@ -14,8 +14,7 @@ git ignores conf/model/local/ and the tests do not collect it; or --preset-out) 
 tp / pp / dp layout. Extra arguments are Hydra overrides of everything but the model's shape (e.g.
 model.seq_length=1024 trains shorter sequences than max_position_embeddings; train.precision=bf16 stores bf16
 weights: half the disk, not less memory, and a looser check). A sliding window (Mistral's sliding_window) imports
-as full attention, equal up to the window: seq_length defaults to min(max_position_embeddings, window) and a
-longer one is refused (training/interop/hf_config.py).
+as model.sliding_window: every layer attends within it, as transformers' (training/interop/hf_config.py).
 export: loads a template checkpoint (saved at any layout: dist_checkpointing reshards) in one process and
 writes config.json (LlamaConfig, derived from its run.json) + model.safetensors (shards above --max-shard-gb)
 that transformers.AutoModelForCausalLM.from_pretrained loads, and the tokenizer files with their chat template
@@ -150,14 +149,11 @@ def do_import(args, overrides: list[str]) -> bool:
                           f"its config.json;\n# the shape fields must match the checkpoint's weights).\n"
                           + OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         tokenizer = f" data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "byte" else ""
-        window = cfg.model.sliding_window
         print(f"imported {count / 1e6:.2f}M parameters in {time.perf_counter() - start:.1f} s: checkpoint "
               f"{cfg.checkpoint.dir}, preset {preset}\ntrain it with: {selection(preset)} checkpoint.load="
               f"{cfg.checkpoint.dir} checkpoint.finetune=true{tokenizer}"
               + ("" if tokenizer else f"\nnote: {hf_dir} has no tokenizer.json: give data.tokenizer the model's when "
-                                      f"you preprocess and train (else text is byte ids)")
-              + (f"\nnote: attention window {window} (sliding_window): imported as full attention, the same up to "
-                 f"the window: model.seq_length <= {window}" if window else ""), flush=True)
+                                      f"you preprocess and train (else text is byte ids)"), flush=True)
         return not args.check or check(state, cfg.model.vocab_size, cfg.model.seq_length, hf_dir,
                                        cfg.train.precision, args.tolerance)
 

@@ -11,41 +11,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
-
-class PositionEmbedding(StrEnum):
-    rope = "rope"
-    learned = "learned"
-
-
-class Normalization(StrEnum):
-    LayerNorm = "LayerNorm"
-    RMSNorm = "RMSNorm"
-
-
-class Activation(StrEnum):
-    gelu = "gelu"
-    swiglu = "swiglu"  # gated: SiLU(gate) * up, fc1 doubled
-
-
-class RopeScalingType(StrEnum):
-    none = "none"  # plain RoPE
-    llama3 = "llama3"  # Llama 3.1+: long wavelengths divided by factor, a smooth band between
-
-
-class Recompute(StrEnum):
-    none = "none"
-    selective = "selective"  # core attention only
-    full = "full"  # every layer from its input
-
-
-class ScoreFunction(StrEnum):
-    softmax = "softmax"  # Mixtral, Qwen-MoE
-    sigmoid = "sigmoid"  # DeepSeek-V3
-
-
-class Dispatcher(StrEnum):
-    alltoall = "alltoall"  # tokens travel to their experts' ranks: the expert-parallel default
-    allgather = "allgather"  # every rank gathers all tokens and keeps its experts' (small EP, or EP=1)
+from training.config.schema_model import (  # noqa: F401 (re-exported: model.*)
+    Activation, Dispatcher, ModelConfig, MoEConfig, Normalization, NormPlacement, PositionEmbedding, QkNormSpan,
+    Recompute, ScoreFunction)
+from training.config.schema_rope import RopeScalingConfig, RopeScalingType  # noqa: F401 (model.rope_scaling)
 
 
 class DecayStyle(StrEnum):
@@ -91,73 +60,15 @@ class NanPolicy(StrEnum):
     skip = "skip"
 
 
+class PeftMethod(StrEnum):
+    none = "none"  # every parameter trains (pretraining, full fine-tuning)
+    lora = "lora"  # low-rank adapters on the target linears; every other weight frozen (docs/peft.md)
+
+
 class WandbMode(StrEnum):
     disabled = "disabled"  # no W&B: nothing imported, nothing sent
     online = "online"  # stream to the W&B server (`wandb login` or WANDB_API_KEY first)
     offline = "offline"  # write the run's files locally only; `wandb sync <dir>` uploads them later
-
-
-@dataclass
-class MoEConfig:
-    num_experts: Optional[int] = None  # experts in each MoE layer; null = a dense model
-    top_k: int = 2  # experts each token goes to (Mixtral: 2 of 8)
-    ffn_hidden_size: Optional[int] = None  # one expert's FFN width; null = model.ffn_hidden_size (Mixtral)
-    shared_expert_ffn_hidden_size: Optional[int] = None  # an always-on shared expert (Qwen-MoE); null = none
-    layer_freq: int = 1  # after first_dense, every k-th layer is MoE, from the first (1: all of them)
-    first_dense: int = 0  # the first n layers keep a dense MLP (DeepSeek: 1 to 3)
-    aux_loss_coeff: float = 1e-2  # load-balancing loss weight (Switch Transformer's 1e-2); 0 = off
-    z_loss_coeff: Optional[float] = None  # router z-loss weight (ST-MoE: 1e-3); null = off
-    score_function: ScoreFunction = ScoreFunction.softmax  # router scores
-    pre_softmax: bool = False  # softmax over all experts before top-k (Qwen); false: over the k (Mixtral)
-    dispatcher: Dispatcher = Dispatcher.alltoall  # how tokens reach the experts (Megatron-LM's EP default)
-    dense_layers: list[int] = field(default_factory=list)  # 0-based layers also kept dense (HF mlp_only_layers)
-    capacity_factor: Optional[float] = None  # drop tokens beyond this x an expert's mean load; null = none
-    grouped_gemm: bool = False  # Transformer Engine's grouped GEMM experts (TEGroupedMLP); needs TE
-
-
-@dataclass
-class RopeScalingConfig:
-    type: RopeScalingType = RopeScalingType.none  # none | llama3 (every Llama 3.1, 3.2, 3.3 checkpoint)
-    factor: float = 8.0  # how much longer the context gets than original_max_position (Llama 3.1: 8, 3.2: 32)
-    low_freq_factor: float = 1.0  # wavelengths above original_max_position / this are divided by factor
-    high_freq_factor: float = 4.0  # wavelengths below original_max_position / this stay as they are
-    original_max_position: int = 8192  # the context length the model was pretrained at before scaling
-
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny"  # preset name, for logs and checkpoint metadata
-    num_layers: int = 4  # transformer layers in the whole model (split across pipeline stages)
-    hidden_size: int = 128  # model width h
-    num_attention_heads: int = 4  # query heads; must divide by tp
-    num_query_groups: Optional[int] = 2  # K/V heads for GQA (Llama 2 70B, Llama 3); null = one per query head (MHA)
-    ffn_hidden_size: Optional[int] = 352  # MLP width (~8h/3 rounded, as Llama for SwiGLU); null = 4h (GPT-2)
-    kv_channels: Optional[int] = None  # head dim; null = hidden_size / num_attention_heads
-    vocab_size: Optional[int] = None  # null = the tokenizer's (byte: 256 bytes + EOD = 257)
-    seq_length: int = 128  # training sequence length (tokens per sample)
-    max_position_embeddings: Optional[int] = None  # context length a Hugging Face export records; null: seq_length
-    sliding_window: Optional[int] = None  # imported attention window (Mistral: 4096): ours is full, so seq_length <= it
-    layer_types: Optional[list[str]] = None  # per layer "full" | "sliding" (HF's layer_types); null: all sliding with a window
-    position_embedding: PositionEmbedding = PositionEmbedding.rope  # RoPE is what modern decoders use
-    rotary_base: float = 10000.0  # RoPE theta (Llama 2: 1e4, Llama 3: 5e5)
-    normalization: Normalization = Normalization.RMSNorm  # RMSNorm (Llama) | LayerNorm (GPT-2)
-    norm_epsilon: float = 1e-5  # epsilon inside the norms
-    activation: Activation = Activation.swiglu  # swiglu (Llama) | gelu (GPT-2)
-    add_bias_linear: bool = False  # biases in the linear layers (GPT-2 yes, Llama no)
-    qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2); add_bias_linear implies them
-    qk_norm: bool = False  # a norm over each query and key head before RoPE (Qwen3; Megatron-Core's qk_layernorm)
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # RoPE frequency scaling (Llama 3.x)
-    tie_embeddings: bool = True  # output layer reuses the embedding (also across pipeline stages)
-    attention: str = "self_attention"  # the layers' attention block: a name in models/spec.py's BLOCKS or module:Class
-    mlp: str = "mlp"  # the layers' MLP block: a name in models/spec.py's BLOCKS or module:Class
-    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts: model.moe.num_experts > 0 turns it on
-    hidden_dropout: float = 0.0  # dropout after attention/MLP and on embeddings; 0 for pretraining
-    attention_dropout: float = 0.0  # dropout on attention probabilities
-    init_method_std: float = 0.02  # normal init std (output projections scaled by 1/sqrt(2L), Megatron)
-    make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times tp (fast GEMMs)
-    recompute: Recompute = Recompute.none  # selective (core attention) | full (every layer): compute for memory
-    fused_kernels: Optional[bool] = None  # Megatron-Core's torch.compile'd SwiGLU + cross entropy; null = on with CUDA
-    compile: bool = False  # torch.compile each transformer layer (as torchtitan); opt-in: the first step compiles
 
 
 @dataclass
@@ -252,6 +163,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class PeftConfig:
+    method: PeftMethod = PeftMethod.none  # none | lora (conf/peft/lora.yaml: peft=lora)
+    rank: int = 8  # LoRA rank r: A is [r, in], B [out, r] (HF PEFT's default r)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (HF PEFT's lora_alpha; 2r is common)
+    dropout: float = 0.0  # dropout on the adapter's input (HF PEFT's lora_dropout); 0: deterministic adapters
+    targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    # ^ the linears that get an adapter, by module name (a custom block's own names too): all of a layer's
+    trainable: list[str] = field(default_factory=list)  # other parameters that train, as fnmatch patterns on
+    # parameter names (e.g. '*layernorm*'); []: only the adapters
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -259,6 +182,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
 
 def register() -> None:
@@ -283,7 +207,7 @@ def to_config(cfg: Any) -> Config:
 
 __all__ = ["Activation", "DecayStyle", "Dispatcher", "Fsdp", "MoEConfig", "NanPolicy", "OnSaveError", "ScoreFunction",
            "RopeScalingConfig", "RopeScalingType",
-           "Normalization", "PositionEmbedding", "Precision",
+           "Normalization", "NormPlacement", "PositionEmbedding", "Precision", "QkNormSpan",
            "Recompute", "TpBlock",
            "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
            "CheckpointConfig", "WandbConfig", "WandbMode", "register", "to_config"]

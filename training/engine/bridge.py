@@ -6,6 +6,8 @@ Megatron-Core knob the template sets is in this file, with the reason.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -17,7 +19,9 @@ from training.config.schema import Activation, Config, Precision, Recompute
 from training.parallel import fsdp
 from training.shims import upstream_fixes
 
-ACTIVATIONS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu}  # swiglu: SiLU(gate) * up (gated below)
+# swiglu: SiLU(gate) * up, geglu_tanh: GeLU-tanh(gate) * up (gated: ModelShape.gated)
+ACTIVATIONS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu,
+               Activation.geglu_tanh: functools.partial(F.gelu, approximate="tanh")}
 
 
 def params_dtype(cfg: Config) -> torch.dtype:
@@ -42,7 +46,10 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         num_query_groups=shape.num_query_groups, ffn_hidden_size=shape.ffn_hidden_size,
         kv_channels=shape.kv_channels, normalization=shape.normalization, layernorm_epsilon=shape.norm_epsilon,
         add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.qkv_bias, gated_linear_unit=shape.gated,
-        qk_layernorm=shape.qk_norm,  # also tells finalize_model_grads to sum the q/k norms' grads over TP
+        # per head: also tells finalize_model_grads to sum the q/k norms' grads over TP; over the projections
+        # (OLMo 2, models/qk_norm.py) the weights are TP shards with whole gradients: nothing to sum
+        qk_layernorm=shape.qk_norm and shape.qk_norm_span == "head",
+        layernorm_zero_centered_gamma=shape.norm_zero_centered,  # (1 + weight) in every norm (models/norm.py)
         activation_func=ACTIVATIONS[m.activation],
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -52,6 +59,7 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         context_parallel_size=p.cp,  # models/context_parallel.py: all-gather-KV attention (no TE needed)
         expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp,
         **moe_settings(cfg, shape),
+        **attention_settings(shape),
         **upstream_fixes.pipeline_p2p_settings(p.pp, p.vpp),
         # CPU: build each full weight once and slice it (TP init then equals one process's); on GPU,
         # Megatron's per-rank init on the device is much faster for large models.
@@ -69,7 +77,7 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         # a bias) and the vocab-parallel cross entropy (LanguageModule.compute_language_model_loss). The
         # latter only in bf16: 0.19.2's native version returns bf16 logit gradients whatever the dtype
         # (fusions/fused_cross_entropy.py), exactly what bf16 runs get unfused, a ~1e-3 error in fp32.
-        bias_activation_fusion=fuse and shape.gated, cross_entropy_fusion_impl="native",
+        bias_activation_fusion=fuse and m.activation == Activation.swiglu, cross_entropy_fusion_impl="native",
         cross_entropy_loss_fusion=fuse and dtype == torch.bfloat16,
         # these need TE or apex (RoPE, softmax, weight-grad accumulation) or add nothing here (bias-dropout
         # fusion: our dropout is 0 for pretraining); TE's versions come with the TE path
@@ -78,7 +86,23 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
     )
     # which sub-blocks split over TP (parallel.tp_blocks); the rest are built whole (models/tp_blocks.py)
     config.tp_blocks = tuple(str(block) for block in p.tp_blocks)
+    # the model's options Megatron-Core has no field for: models/qk_norm.py, models/embedding.py read them
+    config.qk_norm_span = shape.qk_norm_span if shape.qk_norm else None
+    config.scale_embedding = shape.scale_embedding
+    config.attn_logit_softcap = shape.attn_logit_softcap  # Gemma 2's (models/core_attention.py); no MCore field
     return config
+
+
+def attention_settings(shape: ModelShape) -> dict:
+    """Megatron-Core's fields for the attention options models/core_attention.py reads: the window as TE's
+    (left, right) = (window - 1, 0) on the layers marked 1, the softmax scale, learned sinks."""
+    window = shape.sliding_window
+    return dict(
+        window_size=(window - 1, 0) if window else None,
+        window_attn_skip_freq=[int(kind == "sliding") for kind in shape.layer_types] if window else None,
+        softmax_scale=shape.query_pre_attn_scalar ** -0.5 if shape.query_pre_attn_scalar else None,
+        softmax_type="learnable" if shape.attention_sinks else "vanilla",
+    )
 
 
 def moe_settings(cfg: Config, shape: ModelShape) -> dict:

@@ -163,9 +163,6 @@ def generate(state: TrainState, prompts: list[list[int]], max_new_tokens: int, s
     if total > state.shape.seq_length and state.shape.position_embedding == "learned":
         raise ConfigError(f"prompt ({longest}) + new tokens ({max_new_tokens}) exceed the learned positions "
                           f"(model.seq_length={state.shape.seq_length})")
-    if (window := state.shape.sliding_window) and total > window:  # ours attends to all: the same up to the window
-        raise ConfigError(f"prompt ({longest}) + new tokens ({max_new_tokens}) pass the attention window "
-                          f"model.sliding_window={window}: ask for at most {max(window - longest, 0)} new tokens")
     pad = torch.tensor([longest - len(p) for p in prompts], device=device)
     tokens = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)  # [b, T] left-padded
     generator = torch.Generator().manual_seed(sampling.seed)

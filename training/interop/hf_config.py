@@ -9,17 +9,18 @@
 
 Import (`model_fields`) refuses what the template cannot express, naming the field and its value as the
 checkpoint holds it; export (`hf_config`) writes the family's own config class, picked from the model's
-features by `family` (the same rule models/moe.py's HF names follow: QK-norm means Qwen3).
+features by `family` (the same rule models/moe.py's HF names follow: QK-norm means Qwen3). RoPE (every type,
+partial rotary, a sliding layers' base) for every family: training/interop/hf_rope.py.
 Sliding windows (Mistral's, Mixtral's `sliding_window`): transformers' query at position q sees keys k with
-q - k < window (masking_utils.sliding_window_overlay: the window counts the query itself), so at
-model.seq_length <= window that is full causal attention, which ours is; the window is kept in model.sliding_window
-(models/shape.py refuses a longer seq_length) and written back on export.
+q - k < window (masking_utils.sliding_window_overlay: the window counts the query itself), as ours
+(models/core_attention.py); the window goes to model.sliding_window (every layer "sliding") and back on export.
 Light on purpose (no Megatron-Core, no torch): the config check before any work.
 """
 
 from __future__ import annotations
 
 from training.errors import TemplateError
+from training.interop import hf_rope
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 QWEN = ("qwen2", "qwen3", "qwen3_moe")
@@ -30,24 +31,14 @@ class HFError(TemplateError):
     pass
 
 
-def _rope(hf: dict) -> tuple[str, dict]:
-    """(where the RoPE parameters are, the parameters): transformers 5 writes rope_parameters, 4 rope_scaling."""
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    return key, hf.get(key) or {}
-
-
 def _refusals(hf: dict) -> list[str]:
     """config.json's fields the template cannot express, each as `field=value (supported: ...)`."""
     kind = hf.get("model_type")
-    where, rope = _rope(hf)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     layer_types = sorted(set(hf.get("layer_types") or ["full_attention"]))
     checks = [
         ("model_type", kind, ", ".join(FAMILIES), kind in FAMILIES),
         ("hidden_act", hf.get("hidden_act", "silu"), "silu", hf.get("hidden_act", "silu") == "silu"),
-        (f"{where}.rope_type", rope_type, "default, llama3", rope_type in ("default", "llama3")),
-        ("partial_rotary_factor", hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)), "1.0",
-         hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) == 1.0),
+        *hf_rope.checks(hf),  # RoPE types, a sliding layers' RoPE of their own, partial rotary
         ("layer_types", layer_types, "full_attention", layer_types == ["full_attention"]),
         ("attn_logit_softcapping", hf.get("attn_logit_softcapping"), "null", hf.get("attn_logit_softcapping") is None),
         ("final_logit_softcapping", hf.get("final_logit_softcapping"), "null",
@@ -80,7 +71,6 @@ def model_fields(hf: dict) -> dict:
         raise HFError(f"this Hugging Face model ({hf.get('model_type')}) has what the template cannot express: "
                       + "; ".join(problems))
     kind = hf["model_type"]
-    _, rope = _rope(hf)
     window = int(hf["sliding_window"]) if kind in WINDOWED and hf.get("sliding_window") is not None else None
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -91,20 +81,13 @@ def model_fields(hf: dict) -> dict:
         vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
         max_position_embeddings=hf.get("max_position_embeddings"),  # kept for export when seq_length is cut
         sliding_window=window,
-        position_embedding="rope", rotary_base=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        position_embedding="rope", **hf_rope.fields(hf),  # rotary_base(_local), partial_rotary_factor, rope_scaling
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
         add_bias_linear=bool(hf.get("attention_bias", False)) and kind not in QWEN,
         qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's default
         attention_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
         init_method_std=float(hf.get("initializer_range", 0.02)))
-    if window is not None:  # full attention equals the window's up to seq_length = window (module docstring)
-        fields["seq_length"] = min(fields["seq_length"], window)
-    if rope.get("rope_type", rope.get("type")) == "llama3":
-        fields["rope_scaling"] = dict(
-            type="llama3", factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position=int(rope["original_max_position_embeddings"]))
     if kind == "mixtral":  # every layer sparse; the top-k renormalised: softmax over the top-k logits
         fields["moe"] = dict(
             num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=None,
@@ -138,8 +121,6 @@ def _export_problems(shape, kind: str) -> dict:
               ("model.normalization", shape.normalization, "RMSNorm"), ("model.activation", shape.activation, "swiglu")]
     if kind in ("qwen3", "qwen3_moe", "mixtral"):
         checks += [("model.add_bias_linear", shape.add_bias_linear, False), ("model.qkv_bias", shape.qkv_bias, False)]
-    if (kind != "llama" or shape.sliding_window) and shape.rope_scaling is not None:  # Mistral: plain RoPE
-        checks.append(("model.rope_scaling.type", "llama3", "none"))
     if kind in QWEN:  # their windows cover some layers (max_window_layers, layer_types), Mistral's every layer
         checks.append(("model.sliding_window", shape.sliding_window, None))
     if kind == "llama" and shape.sliding_window:  # a window exports as Mistral, which has no biases
@@ -153,7 +134,7 @@ def _export_problems(shape, kind: str) -> dict:
         checks += [("MoE layers (model.moe.first_dense, layer_freq, dense_layers)", len(shape.moe_layer_numbers),
                     shape.num_layers),  # Mixtral: every layer
                    ("model.moe.pre_softmax", shape.moe_pre_softmax, False)]
-    return {name: value for name, value, ok in checks if value != ok}
+    return {**{name: value for name, value, ok in checks if value != ok}, **hf_rope.export_problems(shape, kind)}
 
 
 def hf_config(shape, model, precision: str):
@@ -170,14 +151,10 @@ def hf_config(shape, model, precision: str):
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
         head_dim=shape.kv_channels, max_position_embeddings=model.max_position_embeddings or shape.seq_length,
-        rope_theta=shape.rotary_base,
         rms_norm_eps=shape.norm_epsilon, hidden_act="silu", tie_word_embeddings=shape.tie_embeddings,
         attention_dropout=model.attention_dropout, initializer_range=model.init_method_std, bos_token_id=None,
         eos_token_id=None, **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
-    if (scaling := shape.rope_scaling) is not None:
-        common["rope_scaling"] = dict(
-            rope_type="llama3", factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
-            high_freq_factor=scaling.high_freq_factor, original_max_position_embeddings=scaling.original_max_position)
+    common.update(hf_rope.export_fields(shape, kind))  # rope_theta, rope_scaling, partial rotary, a local base
     if kind == "mixtral":
         return transformers.MixtralConfig(
             **common, intermediate_size=shape.moe_ffn_hidden_size, num_local_experts=shape.num_experts,
