@@ -13,6 +13,9 @@ A sub-block left out of parallel.tp_blocks (models/tp_blocks.py) is built with a
 then both classes give a `ReplicatedLinear` instead, the full weight on every TP rank with no TP attributes and
 no communication (the same names, forward and checkpoint keys), so a block written with these two classes can
 be split or replicated by the config alone.
+
+All three can carry a LoRA adapter (models/lora.py's Adaptable: `add_lora`, added after the model is built):
+their forward then adds scale * B A x, and their sharded state dict splits A and B as they are sharded.
 """
 
 import torch
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
+from models.lora import Adaptable
 from models.tp_blocks import replicated
 
 
@@ -39,7 +43,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sk
     return out, bias if skip_bias_add else None
 
 
-class ReplicatedLinear(MegatronModule):
+class ReplicatedLinear(Adaptable, MegatronModule):
     """y = x W^T (+ b) with the full W [output_size, input_size] on every TP rank (a replicated sub-block).
 
     Its parameters have no `tensor_model_parallel` attribute (training/engine/build.py sets Megatron-Core's
@@ -49,7 +53,7 @@ class ReplicatedLinear(MegatronModule):
     def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = True,
                  skip_bias_add: bool = False, skip_weight_param_allocation: bool = False, **_tp_only):
         super().__init__(config=config)
-        self.skip_bias_add = skip_bias_add
+        self.skip_bias_add, self.input_size, self.output_size = skip_bias_add, input_size, output_size
         self.weight = None
         if not skip_weight_param_allocation:  # a tied output layer reads the embedding's weight in forward
             self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
@@ -64,10 +68,20 @@ class ReplicatedLinear(MegatronModule):
         pass
 
     def forward(self, input_, weight=None, runtime_gather_output=None):  # [s, b, in] -> [s, b, out]
-        return _linear(input_, self.weight if weight is None else weight, self.bias, self.skip_bias_add)
+        return _adapted(self, input_, _linear(input_, self.weight if weight is None else weight, self.bias,
+                                              self.skip_bias_add))
 
 
-class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
+def _adapted(layer, input_, result):
+    """The base layer's (output, bias) plus the LoRA adapter's share, if the layer carries one."""
+    if not layer.has_lora:
+        return result
+    return result[0] + layer.lora_delta(input_), result[1]
+
+
+class ColumnParallelLinear(Adaptable, tensor_parallel.ColumnParallelLinear):
+    lora_kind = "column"
+
     def __new__(cls, *args, config, **kwargs):  # a replicated sub-block's: the full layer (no __init__ after)
         return ReplicatedLinear(*args, config=config, **kwargs) if replicated(config) else super().__new__(cls)
 
@@ -77,11 +91,17 @@ class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):  # [s, b, h] -> [s, b, out/tp]
         if not self._tp1:
-            return super().forward(input_, weight, runtime_gather_output)
-        return _linear(input_, self.weight if weight is None else weight, self.bias, self.skip_bias_add)
+            return _adapted(self, input_, super().forward(input_, weight, runtime_gather_output))
+        return _adapted(self, input_, _linear(input_, self.weight if weight is None else weight, self.bias,
+                                              self.skip_bias_add))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # W, b and B split on dim 0
+        return self.adapted_sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0})
 
 
-class RowParallelLinear(tensor_parallel.RowParallelLinear):
+class RowParallelLinear(Adaptable, tensor_parallel.RowParallelLinear):
+    lora_kind = "row"
+
     def __new__(cls, *args, config, **kwargs):
         return ReplicatedLinear(*args, config=config, **kwargs) if replicated(config) else super().__new__(cls)
 
@@ -91,5 +111,8 @@ class RowParallelLinear(tensor_parallel.RowParallelLinear):
 
     def forward(self, input_):  # [s, b, in/tp] -> [s, b, h]
         if not self._tp1:
-            return super().forward(input_)
-        return _linear(input_, self.weight, self.bias, self.skip_bias_add)
+            return _adapted(self, input_, super().forward(input_))
+        return _adapted(self, input_, _linear(input_, self.weight, self.bias, self.skip_bias_add))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # W and A split on dim 1
+        return self.adapted_sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 1})

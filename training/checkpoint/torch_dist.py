@@ -18,6 +18,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.nvrx import has_nvrx_async_support
 
+from models.lora import is_adapter
 from training.checkpoint import rng
 from training.checkpoint.common import Start, TrainState, check_same_optimizer, loading, model_keys, same_tp_pp
 from training.config.schema import Config
@@ -87,6 +88,12 @@ def load_weights(cfg: Config, path: Path, chunks: list) -> None:
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
 
 
+def saved_adapters(run: dict) -> bool:
+    """Whether the checkpoint holds LoRA adapters (a peft run's); a base model's (an import, a pretraining run)
+    does not: a LoRA fine-tune from it draws fresh adapters (models/lora.py) and loads the rest."""
+    return str(run.get("config", {}).get("peft", {}).get("method", "none")) != "none"
+
+
 def load(cfg: Config, state: TrainState, path: Path, run: dict, weights_only: bool, announce) -> Start:
     """Fill the model (and, resuming, the optimizer, scheduler and RNG states) from `path`, at any TP / PP / DP
     with the same parallel.dist_opt; weights_only: the run starts at iteration 0."""
@@ -96,10 +103,18 @@ def load(cfg: Config, state: TrainState, path: Path, run: dict, weights_only: bo
     template = state_dict(cfg, state, is_loading=True, with_rng=same_layout, model_only=weights_only)
     if not weights_only:
         template["iteration"], template["consumed_samples"] = 0, 0
+    fresh_adapters = weights_only and not saved_adapters(run)  # peft=lora on a base: its adapters start here
+    if fresh_adapters:
+        template = {key: {name: t for name, t in part.items() if not is_adapter(name)} if key in model_keys(
+            state.model) else part for key, part in template.items()}
     with loading(f"checkpoint {path}", path):
         loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
     for key, chunk in zip(model_keys(state.model), state.model):
-        chunk.load_state_dict(loaded[key], strict=True)
+        if fresh_adapters:  # every key but the adapters' (drawn at build) must load
+            missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=False)
+            assert not unexpected and all(is_adapter(name) for name in missing), (missing, unexpected)
+        else:
+            chunk.load_state_dict(loaded[key], strict=True)
     if weights_only:
         if state.optimizer is not None:
             state.optimizer.reload_model_params()  # fp32 main params (bf16, distributed optimizer) follow

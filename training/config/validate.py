@@ -24,10 +24,10 @@ from models.shape import ModelShape
 from models.spec import block_problem
 from training.config.schema import Config
 from training.errors import ConfigError
-from training.parallel import context, experts, fsdp, tp_blocks
+from training.parallel import context, experts, fsdp, peft, tp_blocks
 from training.parallel.layout import Layout
 
-FEATURES = (context, experts, fsdp, tp_blocks)  # each has problems(cfg, layout) -> list[str]
+FEATURES = (context, experts, fsdp, peft, tp_blocks)  # each has problems(cfg, layout) -> list[str]
 
 
 def _positive(cfg: Config) -> list[str]:

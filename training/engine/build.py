@@ -27,6 +27,7 @@ from models.shape import ModelShape
 from training.config.schema import Config
 from training.engine import bridge, init
 from training.parallel import dist as D
+from training.parallel import peft
 from training.parallel.wrap import wrap
 from training.shims import upstream_fixes
 
@@ -44,10 +45,11 @@ class TrainState:
 
 
 def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, device: torch.device,
-                 make_model=GPT, seed: int = 1234) -> list[torch.nn.Module]:
+                 make_model=GPT, seed: int = 1234, adapt=None) -> list[torch.nn.Module]:
     """This rank's model chunk(s), one per virtual pipeline stage: pre_process / post_process from its
     pipeline position. make_model(config, shape, pre_process=, post_process=, vp_stage=) builds one. Weights
-    are drawn by name from the seed (training/engine/init.py): the same model at every layout."""
+    are drawn by name from the seed (training/engine/init.py): the same model at every layout.
+    adapt(chunks, record): adds parameters (LoRA adapters) to the built chunks, record(param, init_method)."""
     chunks = []
     with init.recording(config) if config.perform_initialization else contextlib.nullcontext() as recorded:
         for vp_stage in range(vpp or 1):
@@ -56,6 +58,8 @@ def build_chunks(config: TransformerConfig, shape: ModelShape, vpp: int | None, 
                 config, shape, vp_stage=stage,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)))
+        if adapt is not None:
+            adapt(chunks, None if recorded is None else recorded.__setitem__)
     if recorded is not None:
         init.initialize(chunks, recorded, seed)
     for index, model in enumerate(chunks):
@@ -92,9 +96,11 @@ def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = 
     prepare(chunks) runs on the bare chunks before DDP / FSDP takes them (tests load weights there)."""
     config = bridge.transformer_config(cfg, shape)
     config.perform_initialization = init
-    chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model, cfg.train.seed)
+    chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model, cfg.train.seed,
+                          adapt=lambda chunks, record: peft.adapt(cfg, chunks, record))
     if prepare is not None:
         prepare(chunks)
+    peft.freeze(cfg, chunks)  # peft=lora: only the adapters train (before DDP sizes its gradient buffers)
     if train and cfg.model.compile:
         compile_layers(chunks)
     if not train:
