@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from training.config.compose import compose
 
@@ -62,23 +61,6 @@ CASES = {
     "layer-post": (["model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_span=projection"], None),
     "layer-moe-bf16": ([*MOE, "train.precision=bf16"], None),
 }
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    """Megatron-Core's parallel state on a world of one (tp 1), torn down after this module."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from training.shims import cpu_compat
-
-    cpu_compat.apply()  # a no-op where CUDA is visible
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def saved_bytes(module: torch.nn.Module, make_args) -> int:

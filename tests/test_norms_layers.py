@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from harness import run_distributed
 from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
 
@@ -31,23 +30,6 @@ OLMO2 = ["model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_span=
 MODELS = {"gemma": [*GEMMA, "model.scale_embedding=true", "model.qk_norm=true"], "olmo2": OLMO2}
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sp=true"]}
 BATCH = make_batch(global_batch=4, seq=16)
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    """Megatron-Core's parallel state on a world of one (tp 1) in this process, torn down after this module."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from training.shims import cpu_compat
-
-    cpu_compat.apply()  # a no-op where CUDA is visible
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _config(overrides: list[str], precision: str = "fp32"):

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("needs the hf extra: pip install -e '.[hf]'", allow_module_level=True)
@@ -187,23 +186,6 @@ def test_config_json_round_trip_and_refusals():
             hf_config.model_fields(dict(base, **change))
     smollm = hf_config.model_fields(dict(base, rope_scaling=dict(type="linear", factor=2.0)))  # 4.x spelling
     assert smollm["rope_scaling"] == dict(type="linear", factor=2.0, original_max_position=POSITIONS)
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    """Megatron-Core's parallel state on a world of one (tp 1), torn down after this module."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from training.shims import cpu_compat
-
-    cpu_compat.apply()  # a no-op where CUDA is visible
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("scaling", [dict(rope_type="linear", factor=2.0), dict(rope_type="dynamic", factor=2.0)])
