@@ -69,7 +69,8 @@ def _mapping_round_trips() -> dict:
         hn, h, ffn, vocab = 12 if qk_norm else 8, 32, 48, 101
         config = SimpleNamespace(num_layers=2, num_attention_heads=heads, num_query_groups=groups, kv_channels=hn,
                                  add_bias_linear=bias, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
-                                 gated_linear_unit=True, normalization="RMSNorm", tensor_model_parallel_size=2)
+                                 gated_linear_unit=True, normalization="RMSNorm", tensor_model_parallel_size=2,
+                                 softmax_type="vanilla")
         shape = ModelShape.of(ModelConfig(num_layers=2, hidden_size=h, num_attention_heads=heads,
                                           num_query_groups=groups, kv_channels=hn, ffn_hidden_size=ffn,
                                           vocab_size=vocab, seq_length=16, add_bias_linear=bias,
