@@ -194,18 +194,24 @@ class SelfAttention(MegatronModule):
     # per query group, [ng, (np/ng)*hn q | hn k | hn v] rows (module docstring). HF's q/k rows are already in the
     # rotate_half order of Megatron-Core's non-interleaved RoPE (ours): no permutation. Biases follow the same
     # layout: q, k, v's with add_qkv_bias (Qwen2) or add_bias_linear (Llama's attention_bias, also o's). QK-norm:
-    # HF's q_norm / k_norm [hn] are our q_layernorm / k_layernorm. `get` reads a tensor by name relative to the block.
+    # HF's q_norm / k_norm [hn] are our q_layernorm / k_layernorm; OLMo 2's over the projections, [np*hn] and
+    # [ng*hn] in HF's head order, are ours at tp=1 too. Phi-3 (config.hf_family, set by training/interop/hf.py)
+    # fuses q, k and v into qkv_proj, [np*hn q; ng*hn k; ng*hn v] rows. `get` reads a tensor by name relative to
+    # the block.
     @staticmethod
     def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
         ng = config.num_query_groups
         out = {}
         for kind in _hf_kinds(config, qkv=True):
-            q, k, v = (get(f"{n}_proj.{kind}") for n in "qkv")  # [np*hn, ...], [ng*hn, ...] x 2
+            if _fused(config):
+                q, k, v = get(f"qkv_proj.{kind}").split(_qkv_rows(config), dim=0)
+            else:
+                q, k, v = (get(f"{n}_proj.{kind}") for n in "qkv")  # [np*hn, ...], [ng*hn, ...] x 2
             grouped = [t.reshape(ng, -1, *t.shape[1:]) for t in (q, k, v)]  # [ng, rows per group, ...]
             out[f"linear_qkv.{kind}"] = torch.cat(grouped, dim=1).flatten(0, 1)  # [ng*(np/ng+2)*hn, ...]
         for kind in _hf_kinds(config, qkv=False):
             out[f"linear_proj.{kind}"] = get(f"o_proj.{kind}")
-        for ours, hf in _QK_NORMS if config.qk_layernorm else ():
+        for ours, hf in _qk_norms(config):
             out.update({f"{ours}.{n}": get(f"{hf}.{n}") for n in _norm_kinds(config)})
         if config.softmax_type == "learnable":  # gpt-oss's sinks [np]
             out[_SINKS[0]] = get(_SINKS[1])
@@ -219,10 +225,14 @@ class SelfAttention(MegatronModule):
         for kind in _hf_kinds(config, qkv=True):
             qkv = get(f"linear_qkv.{kind}")
             q, k, v = qkv.reshape(ng, per_group + 2 * hn, *qkv.shape[1:]).split([per_group, hn, hn], dim=1)
-            out[f"q_proj.{kind}"], out[f"k_proj.{kind}"], out[f"v_proj.{kind}"] = (t.flatten(0, 1) for t in (q, k, v))
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            if _fused(config):
+                out[f"qkv_proj.{kind}"] = torch.cat((q, k, v), dim=0)
+            else:
+                out[f"q_proj.{kind}"], out[f"k_proj.{kind}"], out[f"v_proj.{kind}"] = q, k, v
         for kind in _hf_kinds(config, qkv=False):
             out[f"o_proj.{kind}"] = get(f"linear_proj.{kind}")
-        for ours, hf in _QK_NORMS if config.qk_layernorm else ():
+        for ours, hf in _qk_norms(config):
             out.update({f"{hf}.{n}": get(f"{ours}.{n}") for n in _norm_kinds(config)})
         if config.softmax_type == "learnable":
             out[_SINKS[1]] = get(_SINKS[0])
@@ -231,6 +241,20 @@ class SelfAttention(MegatronModule):
 
 _QK_NORMS = (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))
 _SINKS = ("core_attention.softmax_offset", "sinks")  # ours (Megatron-Core's name), HF's (self_attn.sinks)
+
+
+def _qk_norms(config: TransformerConfig) -> tuple[tuple[str, str], ...]:
+    """(ours, HF's) QK-norm module names: per head (Qwen3, Gemma 3) or over the projections (OLMo 2)."""
+    return _QK_NORMS if config.qk_layernorm or getattr(config, "qk_norm_span", None) == "projection" else ()
+
+
+def _fused(config: TransformerConfig) -> bool:  # Phi-3's qkv_proj (training/interop/hf.py names the family)
+    return getattr(config, "hf_family", None) == "phi3"
+
+
+def _qkv_rows(config: TransformerConfig) -> list[int]:
+    kv = config.num_query_groups * config.kv_channels
+    return [config.num_attention_heads * config.kv_channels, kv, kv]
 
 
 def _hf_kinds(config: TransformerConfig, qkv: bool) -> tuple[str, ...]:

@@ -111,12 +111,17 @@ class MLP(MegatronModule):
 
     # ---- Hugging Face interop (Llama family): this block's weights <-> HF's `mlp.{gate,up,down}_proj` ---------
     # Full (tp=1) fc1 is [gate; up] ([2*ffn, h], see the module docstring) = cat(HF gate_proj, HF up_proj); fc2 is
-    # HF down_proj. Biases (HF mlp_bias) follow the same layout. `get` reads a tensor by name relative to the block.
+    # HF down_proj. Biases (HF mlp_bias) follow the same layout. Phi-3 (config.hf_family, set by
+    # training/interop/hf.py) fuses them as gate_up_proj = [gate; up]: our fc1 as it is. `get` reads a tensor by
+    # name relative to the block.
     @staticmethod
     def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
         out = {}
         for kind in _hf_kinds(config):
-            out[f"linear_fc1.{kind}"] = torch.cat([get(f"gate_proj.{kind}"), get(f"up_proj.{kind}")], dim=0)
+            if getattr(config, "hf_family", None) == "phi3":
+                out[f"linear_fc1.{kind}"] = get(f"gate_up_proj.{kind}")
+            else:
+                out[f"linear_fc1.{kind}"] = torch.cat([get(f"gate_proj.{kind}"), get(f"up_proj.{kind}")], dim=0)
             out[f"linear_fc2.{kind}"] = get(f"down_proj.{kind}")
         return out
 
@@ -124,7 +129,10 @@ class MLP(MegatronModule):
     def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
         out = {}
         for kind in _hf_kinds(config):
-            out[f"gate_proj.{kind}"], out[f"up_proj.{kind}"] = torch.chunk(get(f"linear_fc1.{kind}"), 2, dim=0)
+            if getattr(config, "hf_family", None) == "phi3":
+                out[f"gate_up_proj.{kind}"] = get(f"linear_fc1.{kind}")
+            else:
+                out[f"gate_proj.{kind}"], out[f"up_proj.{kind}"] = torch.chunk(get(f"linear_fc1.{kind}"), 2, dim=0)
             out[f"down_proj.{kind}"] = get(f"linear_fc2.{kind}")
         return out
 

@@ -21,7 +21,7 @@ UNSUPPORTED = {
     # every RoPE type transformers' ROPE_INIT_FUNCTIONS has imports (tests/test_rope.py) but Gemma 4's proportional
     "rope_scaling.rope_type='proportional'": dict(rope_scaling={"rope_type": "proportional", "factor": 4.0}),
     "rope_parameters.rope_type='proportional'": dict(rope_parameters={"rope_type": "proportional"}),
-    "model_type='gemma2'": dict(model_type="gemma2"), "hidden_act='gelu'": dict(hidden_act="gelu"),
+    "model_type='gemma3'": dict(model_type="gemma3"), "hidden_act='gelu'": dict(hidden_act="gelu"),
     # Llama: q, k, v, o biases (attention_bias) apart from the MLP's (mlp_bias): the field the checkpoint sets
     "attention_bias=True (supported: only with mlp_bias=true": dict(attention_bias=True, mlp_bias=False),
     "mlp_bias=True (supported: only with attention_bias=true": dict(mlp_bias=True),

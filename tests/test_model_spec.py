@@ -56,6 +56,12 @@ def test_every_preset_has_exactly_the_parameters_the_estimate_counts():
     assert results["llama2_7b"][0] == 6_738_415_616  # Llama 2 7B's published count (vocab 32000: no padding)
     assert results["gpt2_124m"][0] == 124_475_904  # GPT-2 small, vocabulary padded to 50304
     assert results["mixtral_8x7b"][0] == 46_702_792_704  # Mixtral-8x7B's published count
+    # transformers' models built from the published config.json on the meta device (a script, not this test)
+    assert results["gemma3_1b"][0] == 999_885_952 and results["gemma3_4b"][0] == 3_880_263_168
+    assert results["gemma3_12b"][0] == 11_766_034_176 and results["gemma3_27b"][0] == 27_009_346_304
+    assert results["olmo2_7b"][0] == 7_298_617_344 and results["olmo2_13b"][0] == 13_716_198_400
+    assert results["phi4"][0] == 14_659_507_200 and results["phi4_mini"][0] == 3_836_021_760
+    assert results["mistral_7b_v0_1"][0] == 7_241_732_096
 
 
 @pytest.mark.fast
@@ -72,7 +78,7 @@ def test_flops_per_token_is_megatrons_formula(preset):
     h, s, L, V = m.hidden_size, m.seq_length, m.num_layers, shape.padded_vocab(1)
     heads = m.num_attention_heads
     groups, head_dim, ffn = m.num_query_groups or heads, m.kv_channels or h // heads, m.ffn_hidden_size or 4 * h
-    ffn_gemms = 3 if m.activation == "swiglu" else 2
+    ffn_gemms = 3 if m.activation in ("swiglu", "geglu_tanh") else 2  # gated: gate, up, down
     moe = m.moe
     moe_layers = 0 if not moe.num_experts else \
         sum(1 for i in range(L) if i >= moe.first_dense and (i - moe.first_dense) % moe.layer_freq == 0)

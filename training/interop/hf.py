@@ -9,6 +9,7 @@ is needed only for the logits check and for export's config.json; `safetensors` 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from megatron.core import parallel_state
 
 from models import gpt as gpt_module
 from training.engine.build import TrainState
-from training.interop.hf_config import HFError
+from training.interop.hf_config import HFError, family
 from training.parallel.wrap import unwrap
 
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some older checkpoints saved: recomputed
@@ -46,6 +47,8 @@ class HFWeights:
         self.handles = {n: safe_open(str(directory / n), framework="pt") for n in names}
         self.where = files or {k: "model.safetensors" for k in self.handles["model.safetensors"].keys()}
         self.read: set[str] = set()
+        config = directory / "config.json"  # its family names fused tensors (Phi-3's qkv_proj, gate_up_proj)
+        self.family = json.loads(config.read_text()).get("model_type") if config.is_file() else None
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.where:
@@ -93,7 +96,8 @@ def load_hf_weights(state: TrainState, get) -> int:
     params = dict(gpt.named_parameters())
     count = 0
     with torch.no_grad():
-        for name, tensor in _hf_errors(gpt_module.from_hf, get, gpt.config, state.shape):
+        config = _with_family(gpt.config, getattr(get, "family", None))
+        for name, tensor in _hf_errors(gpt_module.from_hf, get, config, state.shape):
             param = params.pop(name, None)
             if param is None or param.shape != tensor.shape:
                 raise HFError(f"{name}: converted shape {tuple(tensor.shape)} does not fit the model's "
@@ -111,7 +115,16 @@ def hf_tensors(state: TrainState):
     """(HF name, full tensor) for every weight of this single-process model, vocab padding dropped."""
     gpt = unwrap(state.model[0])
     params = dict(gpt.named_parameters())
-    return _hf_errors(gpt_module.to_hf, lambda name: params[name].detach(), gpt.config, state.shape)
+    config = _with_family(gpt.config, family(state.shape))  # the family export writes (hf_config.family)
+    return _hf_errors(gpt_module.to_hf, lambda name: params[name].detach(), config, state.shape)
+
+
+def _with_family(config, kind: str | None):
+    """A copy of the model's TransformerConfig naming the HF family, for the blocks' from_hf / to_hf (Phi-3's
+    fused qkv_proj and gate_up_proj: models/attention.py, models/mlp.py)."""
+    config = copy.copy(config)
+    config.hf_family = kind
+    return config
 
 
 def _hf_errors(walk, *args):
@@ -161,7 +174,8 @@ def reference_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     import transformers
 
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), **{dtype_key: torch.float32})
+    model = transformers.AutoModelForCausalLM.from_pretrained(  # eager: the oracle (Gemma 2's soft-cap needs it)
+        str(hf_dir), attn_implementation="eager", **{dtype_key: torch.float32})
     with torch.no_grad():
         return model.eval()(input_ids=tokens).logits.float()
 

@@ -6,6 +6,8 @@
     qwen3       RMSNorm of each query and key head before RoPE; head_dim != h/heads qk_norm, kv_channels
     mixtral     MoE in every layer, softmax over the top-k                        moe.*
     qwen3_moe   Qwen3's attention; MoE layers by decoder_sparse_step / mlp_only_layers moe.*, moe.dense_layers
+    gemma2, gemma3_text, olmo2, phi3: training/interop/hf_families.py (sandwich / post norms, soft-caps, windows
+                per layer, whole-projection QK-norm, fused Phi-3 projections)
 
 Import (`model_fields`) refuses what the template cannot express, naming the field and its value as the
 checkpoint holds it; export (`hf_config`) writes the family's own config class, picked from the model's
@@ -20,11 +22,12 @@ Light on purpose (no Megatron-Core, no torch): the config check before any work.
 from __future__ import annotations
 
 from training.errors import TemplateError
-from training.interop import hf_rope
+from training.interop import hf_families, hf_rope
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", *hf_families.FAMILIES)
 QWEN = ("qwen2", "qwen3", "qwen3_moe")
-WINDOWED = ("mistral", "mixtral")  # every layer sliding when config.json's sliding_window is set
+WINDOWED = ("mistral", "mixtral", "phi3")  # every layer sliding when config.json's sliding_window is set
+ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}  # transformers' gated MLP's act -> ours
 
 
 class HFError(TemplateError):
@@ -35,16 +38,21 @@ def _refusals(hf: dict) -> list[str]:
     """config.json's fields the template cannot express, each as `field=value (supported: ...)`."""
     kind = hf.get("model_type")
     layer_types = sorted(set(hf.get("layer_types") or ["full_attention"]))
+    act, gemma = hf_families.activation(hf), kind in hf_families.GEMMA
+    want = "gelu_pytorch_tanh" if gemma else "silu"
     checks = [
         ("model_type", kind, ", ".join(FAMILIES), kind in FAMILIES),
-        ("hidden_act", hf.get("hidden_act", "silu"), "silu", hf.get("hidden_act", "silu") == "silu"),
+        ("hidden_activation" if gemma else "hidden_act", act, want, act == want),
         *hf_rope.checks(hf),  # RoPE types, a sliding layers' RoPE of their own, partial rotary
+        ("router_jitter_noise", hf.get("router_jitter_noise", 0.0), "0.0", hf.get("router_jitter_noise", 0.0) == 0.0),
+    ]
+    if kind in hf_families.FAMILIES:  # Gemma's layer types, soft-caps; biases, OLMo 2's clip_qkv
+        return _named(checks + hf_families.checks(hf))
+    checks += [
         ("layer_types", layer_types, "full_attention", layer_types == ["full_attention"]),
         ("attn_logit_softcapping", hf.get("attn_logit_softcapping"), "null", hf.get("attn_logit_softcapping") is None),
         ("final_logit_softcapping", hf.get("final_logit_softcapping"), "null",
-         hf.get("final_logit_softcapping") is None),
-        ("router_jitter_noise", hf.get("router_jitter_noise", 0.0), "0.0", hf.get("router_jitter_noise", 0.0) == 0.0),
-    ]
+         hf.get("final_logit_softcapping") is None)]
     if kind in QWEN:  # Qwen configs carry a sliding_window size even when use_sliding_window is off
         checks.append(("use_sliding_window", hf.get("use_sliding_window", False), "false",
                        not hf.get("use_sliding_window", False)))
@@ -61,6 +69,10 @@ def _refusals(hf: dict) -> list[str]:
     if kind == "qwen3_moe":
         checks.append(("shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"), "null or 0",
                        not hf.get("shared_expert_intermediate_size")))
+    return _named(checks)
+
+
+def _named(checks: list) -> list[str]:
     return [f"{name}={value!r} (supported: {ok})" for name, value, ok, good in checks if not good]
 
 
@@ -82,12 +94,14 @@ def model_fields(hf: dict) -> dict:
         max_position_embeddings=hf.get("max_position_embeddings"),  # kept for export when seq_length is cut
         sliding_window=window,
         position_embedding="rope", **hf_rope.fields(hf),  # rotary_base(_local), partial_rotary_factor, rope_scaling
-        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
+        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        activation=ACTIVATIONS[hf_families.activation(hf)],
         add_bias_linear=bool(hf.get("attention_bias", False)) and kind not in QWEN,
         qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's default
         attention_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
         init_method_std=float(hf.get("initializer_range", 0.02)))
+    fields.update(hf_families.fields(hf))  # Gemma's norms, scale, soft-caps and layer types; OLMo 2's norms
     if kind == "mixtral":  # every layer sparse; the top-k renormalised: softmax over the top-k logits
         fields["moe"] = dict(
             num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=None,
@@ -110,6 +124,8 @@ def family(shape) -> str:
     """The Hugging Face family that expresses this models/shape.py ModelShape (export writes its config)."""
     if shape.num_experts:
         return "qwen3_moe" if shape.qk_norm else "mixtral"
+    if kind := hf_families.family(shape):  # sandwich norms: Gemma; post: OLMo 2; partial / longrope RoPE: Phi-3
+        return kind
     if shape.qk_norm:
         return "qwen3"
     return "qwen2" if shape.qkv_bias and not shape.add_bias_linear else "llama"
@@ -118,7 +134,9 @@ def family(shape) -> str:
 def _export_problems(shape, kind: str) -> dict:
     """{our field: value} that the family `kind` cannot express."""
     checks = [("model.position_embedding", shape.position_embedding, "rope"),
-              ("model.normalization", shape.normalization, "RMSNorm"), ("model.activation", shape.activation, "swiglu")]
+              ("model.normalization", shape.normalization, "RMSNorm"), *hf_families.export_checks(shape, kind)]
+    if kind not in hf_families.FAMILIES:
+        checks.append(("model.activation", shape.activation, "swiglu"))
     if kind in ("qwen3", "qwen3_moe", "mixtral"):
         checks += [("model.add_bias_linear", shape.add_bias_linear, False), ("model.qkv_bias", shape.qkv_bias, False)]
     if kind in QWEN:  # their windows cover some layers (max_window_layers, layer_types), Mistral's every layer
@@ -155,6 +173,8 @@ def hf_config(shape, model, precision: str):
         attention_dropout=model.attention_dropout, initializer_range=model.init_method_std, bos_token_id=None,
         eos_token_id=None, **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
     common.update(hf_rope.export_fields(shape, kind))  # rope_theta, rope_scaling, partial rotary, a local base
+    if kind in hf_families.FAMILIES:  # Gemma 2 / 3, OLMo 2, Phi-3
+        return hf_families.hf_config(transformers, shape, kind, {**common, "intermediate_size": shape.ffn_hidden_size})
     if kind == "mixtral":
         return transformers.MixtralConfig(
             **common, intermediate_size=shape.moe_ffn_hidden_size, num_local_experts=shape.num_experts,
