@@ -20,7 +20,8 @@ writes config.json (LlamaConfig, derived from its run.json) + model.safetensors 
 that transformers.AutoModelForCausalLM.from_pretrained loads, and the tokenizer files with their chat template
 (tokenizer.json, tokenizer_config.json, chat_template.jinja, ...; config.json's bos/eos/pad ids) from
 --tokenizer-dir, or else from the run's data.tokenizer when that is a directory, so the exported model's
-AutoTokenizer renders conversations as the fine-tuned one was trained on.
+AutoTokenizer renders conversations as the fine-tuned one was trained on. A LoRA run (peft=lora): export --adapter
+writes a Hugging Face PEFT adapter, --merge the merged model (training/interop/peft_export.py; docs/peft.md).
 --check (both): run our model and transformers' on the same token ids, print the max |logit diff| and the same
 relative to max |logit|; exit 1 when the relative one exceeds --tolerance (fp32 1e-4, bf16 5e-2).
 
@@ -78,14 +79,16 @@ def empty_dir(path: Path, what: str) -> Path:
     return path
 
 
-def check(state, vocab_size: int, seq_length: int, hf_dir: Path, precision: str, tolerance: float | None) -> bool:
-    """Our logits vs transformers' on the same tokens; prints both differences, True when within tolerance."""
+def check(state, vocab_size: int, seq_length: int, hf_dir: Path, precision: str, tolerance: float | None,
+          reference=None) -> bool:
+    """Our logits vs transformers' (or reference(tokens)'s) on the same tokens; prints both differences, True
+    when within tolerance."""
     from training.interop import hf
     from training.parallel.dist import current_device
 
     tokens = hf.check_tokens(vocab_size, seq_length)
     ours = hf.full_logits(state, tokens.to(current_device()), vocab_size).cpu()
-    reference = hf.reference_logits(hf_dir, tokens)
+    reference = reference(tokens) if reference else hf.reference_logits(hf_dir, tokens)
     worst, relative = hf.logits_diff(ours, reference)
     limit = tolerance if tolerance is not None else hf.BF16_TOLERANCE if precision == "bf16" else hf.FP32_TOLERANCE
     ok = relative <= limit
@@ -177,6 +180,24 @@ def copy_file(source: Path, target: Path) -> bool:
     return source.exists()
 
 
+def export_adapter(args, state, cfg, path: Path, out: Path) -> bool:
+    """export --adapter: the LoRA adapters as a PEFT adapter (training/interop/peft_export.py); --check: ours vs
+    peft.PeftModel on the Hugging Face base (--base-hf-dir)."""
+    from training.interop import peft_export
+
+    base = args.base_hf_dir or (cfg.data.tokenizer if (Path(cfg.data.tokenizer) / "config.json").is_file() else None)
+    size = peft_export.write_adapter(state, cfg.peft, out, str(Path(base).resolve()) if base else None)
+    print(f"exported the LoRA adapters of {path} to {out} ({peft_export.ADAPTER_CONFIG}, "
+          f"{peft_export.ADAPTER_WEIGHTS}: {size / 2**20:.2f} MiB)", flush=True)
+    if not args.check:
+        return True
+    if base is None:
+        raise TemplateError("export --adapter --check needs --base-hf-dir: the Hugging Face base model the "
+                            "adapters apply to (the directory the base checkpoint was imported from)")
+    return check(state, state.shape.vocab_size, cfg.model.seq_length, Path(base), cfg.train.precision,
+                 args.tolerance, lambda tokens: peft_export.peft_logits(base, out, tokens))
+
+
 def do_export(args) -> bool:
     from models.shape import ModelShape
     from training import checkpoint
@@ -191,6 +212,10 @@ def do_export(args) -> bool:
     cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)  # tp1 pp1: load reshards
     cfg.checkpoint.dir, cfg.checkpoint.load, cfg.checkpoint.finetune = None, str(path), True  # weights only
     shape = ModelShape.of(cfg.model, run["vocab_size"])
+    if (lora := str(cfg.peft.method) != "none") != bool(args.adapter or args.merge):
+        raise TemplateError(f"checkpoint {path} holds LoRA adapters: export them with --adapter (a PEFT adapter for "
+                            f"the base) or --merge (the merged model)" if lora else f"--adapter / --merge: checkpoint "
+                            f"{path} has no LoRA adapters (peft.method=none): export it without them")
     config = hf_config.hf_config(shape, cfg.model, cfg.train.precision)
     tokenizer_dir = tokenizer_source(args.tokenizer_dir, cfg.data.tokenizer)
     source = tokenizer_dir / "config.json" if tokenizer_dir else None
@@ -202,10 +227,15 @@ def do_export(args) -> bool:
     start = time.perf_counter()
     with D.distributed(tp=1, pp=1, seed=cfg.train.seed, timeout_minutes=cfg.parallel.timeout_minutes) as info:
         state = build(cfg, shape, info.device, init=False, train=False)
-        checkpoint.maybe_load(cfg, state)
+        checkpoint.maybe_load(cfg, state)  # an adapters-only checkpoint: its base first
+        if args.adapter:
+            return export_adapter(args, state, cfg, path, out)
+        from training.interop.peft_export import merge
+        restore = merge(state) if args.merge else None  # W + (alpha / r) B A, written; the check: the unmerged
         config.save_pretrained(str(out))
         size = hf.write_safetensors(hf.hf_tensors(state), out, int(args.max_shard_gb * 2**30))
         copied = [name for name in TOKENIZER_FILES if tokenizer_dir and copy_file(tokenizer_dir / name, out / name)]
+        restore and restore()
         print(f"exported {path} (saved at tp/pp {run['layout']['tp']}/{run['layout']['pp']}, iteration "
               f"{run['iteration']}) to {out}: {size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s"
               + (f"; tokenizer files from {tokenizer_dir}: {', '.join(copied)}" if copied else ""), flush=True)
@@ -230,6 +260,12 @@ def parse(argv: list[str]):
     exp.add_argument("--tokenizer-dir", help="copy the tokenizer files and chat template (and config.json's "
                                              "bos/eos/pad ids) from here, e.g. the imported HF directory; default: "
                                              "the run's data.tokenizer when it is a directory")
+    how = exp.add_mutually_exclusive_group()
+    how.add_argument("--adapter", action="store_true", help="a LoRA run: write its adapters as a Hugging Face PEFT "
+                                                             "adapter (adapter_config.json, adapter_model.safetensors)")
+    how.add_argument("--merge", action="store_true", help="a LoRA run: write the model with the adapters merged")
+    exp.add_argument("--base-hf-dir", help="--adapter: the HF base model (the adapter config's "
+                                           "base_model_name_or_path; --check loads it with peft)")
     for p in (imp, exp):
         p.add_argument("--check", action="store_true", help="compare logits with transformers' (exit 1 if off)")
         p.add_argument("--tolerance", type=float, help="max relative logits diff (fp32 1e-4, bf16 5e-2)")

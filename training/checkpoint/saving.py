@@ -30,6 +30,7 @@ from training.checkpoint.common import (
     prune,
     versions,
 )
+from training.config.checkpoint_match import lora_base
 from training.config.schema import Config
 from training.parallel import fsdp
 from training.parallel.dist import print0
@@ -88,12 +89,21 @@ def complete(cfg: Config, state: TrainState, path: Path, run: dict) -> dict[int,
 
         record = {**run, "layout": layout(), "vocab_size": state.shape.vocab_size,
                   "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "versions": versions()}
+        if base := lora_base(cfg):  # adapters only (torch_dist.save): the base they need, and the sizes
+            record["peft_base"] = {**base, "bytes": dir_bytes(path), "base_bytes": dir_bytes(Path(base["path"]))}
+            print(f"LoRA checkpoint {path}: the adapters and their optimizer state only, "
+                  f"{record['peft_base']['bytes'] / 2**20:.2f} MiB against the base's "
+                  f"{record['peft_base']['base_bytes'] / 2**20:.2f} MiB ({base['path']})", flush=True)
         atomic_write(path / RUN_FILE, json.dumps(record, indent=1) + "\n")
         atomic_write(path.parent / LATEST, path.name + "\n")
         with contextlib.suppress(OSError):  # `latest` moved: pruning is best effort
             prune(path.parent, cfg.checkpoint.keep)
 
     return agreement.agree(agreement.attempt(write) if dist.get_rank() == 0 else None)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def latest_name(root: Path) -> str:

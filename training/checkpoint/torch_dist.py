@@ -6,12 +6,15 @@ the iteration, the consumed samples and one RNG state per (pp, tp) rank as shard
 every rank writes its own shards, rank 0 the metadata (`metadata.json`, `.metadata`, `integrity.json`,
 checked on load). The distributed optimizer is saved `fully_reshardable`, so TP / PP / DP may change on
 load and Adam's moments follow the parameters; the RNG states are restored only at the saved TP and PP.
+A LoRA fine-tune from a base checkpoint saves the adapters (and peft.trainable) only, the base named in
+run.json (training/config/checkpoint_match.py lora_base): loading one fills the rest from that base first.
 Saving, run.json and `latest` are the package's (training/checkpoint/__init__.py); loading goes through
 common.loading (restricted unpicklers: training/checkpoint/safe_load.py).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 
 from megatron.core import dist_checkpointing, parallel_state
@@ -21,6 +24,7 @@ from megatron.core.dist_checkpointing.strategies.nvrx import has_nvrx_async_supp
 from models.lora import is_adapter
 from training.checkpoint import rng
 from training.checkpoint.common import Start, TrainState, check_same_optimizer, loading, model_keys, same_tp_pp
+from training.config.checkpoint_match import lora_base
 from training.config.schema import Config
 from training.parallel.dist import print0
 from training.parallel.wrap import unwrap
@@ -47,10 +51,26 @@ def model_state_dict(cfg: Config, chunks: list) -> dict:
     return {key: unwrap(chunk).sharded_state_dict(metadata=meta) for key, chunk in zip(model_keys(chunks), chunks)}
 
 
+def adapter_names(trainable) -> callable:
+    """Which of a model's state-dict names an adapters-only checkpoint holds: the adapters and what the
+    peft.trainable patterns name (the rest is the base's, frozen)."""
+    patterns = list(trainable)
+    return lambda name: is_adapter(name) or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def select(sharded: dict, chunks: list, keep) -> dict:
+    """The model chunks' entries whose names keep(name) accepts (the other entries as they are)."""
+    return {key: {n: t for n, t in part.items() if keep(n)} if key in model_keys(chunks) else part
+            for key, part in sharded.items()}
+
+
 def state_dict(cfg: Config, state: TrainState, is_loading: bool, with_rng: bool = True,
-               model_only: bool = False) -> dict:
-    """The sharded state dict dist_checkpointing saves / fills."""
+               model_only: bool = False, adapters_only: bool = False) -> dict:
+    """The sharded state dict dist_checkpointing saves / fills; adapters_only: of the model, only what
+    adapter_names keeps (the optimizer holds nothing else)."""
     sharded = model_state_dict(cfg, state.model)
+    if adapters_only:
+        sharded = select(sharded, state.model, adapter_names(cfg.peft.trainable))
     if model_only:
         return sharded
     upstream_fixes.before_optimizer_state_dict(state.optimizer)
@@ -72,7 +92,8 @@ def save(cfg: Config, state: TrainState, path: Path, extra: dict, model_only: bo
     model_only: the weights alone (conversions). background: plan the save (its collectives run now) and
     return Megatron-Core's AsyncRequest, which writes the shards and then, finalized on every rank, the
     metadata (background.py schedules it)."""
-    sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only)
+    sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only,
+                         adapters_only=lora_base(cfg) is not None)  # a LoRA fine-tune: its base is on disk
     sharded.update(extra)
     upstream_fixes.results_queue_dies_with_the_rank()  # its helper processes die with this rank
     return dist_checkpointing.save(sharded, str(path), verify_integrity=True, async_sharded_save=background,
@@ -86,6 +107,16 @@ def load_weights(cfg: Config, path: Path, chunks: list) -> None:
         loaded = dist_checkpointing.load(model_state_dict(cfg, chunks), str(path), verify_integrity=True)
     for key, chunk in zip(model_keys(chunks), chunks):
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
+
+
+def load_part(cfg: Config, chunks: list, path: Path, keep, what: str) -> None:
+    """The model entries keep(name) accepts, from checkpoint `path`, into the chunks (the others stay)."""
+    template = select(model_state_dict(cfg, chunks), chunks, keep)
+    with loading(f"{what} checkpoint {path}", path):
+        loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
+    for key, chunk in zip(model_keys(chunks), chunks):
+        missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=False)
+        assert not unexpected and not any(keep(n) for n in missing), (missing, unexpected)
 
 
 def saved_adapters(run: dict) -> bool:
@@ -104,15 +135,20 @@ def load(cfg: Config, state: TrainState, path: Path, run: dict, weights_only: bo
     if not weights_only:
         template["iteration"], template["consumed_samples"] = 0, 0
     fresh_adapters = weights_only and not saved_adapters(run)  # peft=lora on a base: its adapters start here
-    if fresh_adapters:
-        template = {key: {name: t for name, t in part.items() if not is_adapter(name)} if key in model_keys(
-            state.model) else part for key, part in template.items()}
+    base = run.get("peft_base")  # an adapters-only checkpoint: the frozen rest from its base first
+    keep = lambda name: True  # noqa: E731 - which model entries `path` fills
+    if base:
+        keep = adapter_names(run["config"]["peft"].get("trainable", []))
+        load_part(cfg, state.model, Path(base["path"]), lambda name: not keep(name), "the LoRA base")
+    elif fresh_adapters:
+        keep = lambda name: not is_adapter(name)  # noqa: E731
+    template = select(template, state.model, keep)
     with loading(f"checkpoint {path}", path):
         loaded = dist_checkpointing.load(template, str(path), verify_integrity=True)
     for key, chunk in zip(model_keys(state.model), state.model):
-        if fresh_adapters:  # every key but the adapters' (drawn at build) must load
+        if fresh_adapters or base:  # the rest: drawn at build (fresh adapters), or the base's (loaded above)
             missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=False)
-            assert not unexpected and all(is_adapter(name) for name in missing), (missing, unexpected)
+            assert not unexpected and not any(keep(n) for n in missing), (missing, unexpected)
         else:
             chunk.load_state_dict(loaded[key], strict=True)
     if weights_only:

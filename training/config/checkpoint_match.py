@@ -5,6 +5,7 @@ raise these lines as CheckpointError).
     path, weights_only = load_target(cfg)        # None: from scratch (checkpoint.dir absolute: the run's)
     run = json.loads((path / RUN_FILE).read_text())
     problems = match_problems(run, cfg, shape, path, weights_only, build_tokenizer)   # one line each; [] = loads
+    base = lora_base(cfg)     # peft=lora: the base checkpoint its adapters-only checkpoints name, or None
 
 The tokenizer check needs training/data/tokenizer.py's build_tokenizer, which the callers pass in (data sits
 above config in the layers: tests/test_structure.py).
@@ -12,10 +13,12 @@ above config in the layers: tests/test_structure.py).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from models.shape import WEIGHTS, ModelShape
-from training.config.paths import LATEST, is_complete
+from training.config.paths import LATEST, RUN_FILE, is_complete
 from training.config.schema import Config, ModelConfig, to_config
 
 
@@ -115,6 +118,7 @@ def match_problems(run: dict, cfg: Config, shape: ModelShape, path: Path, weight
     if not weights_only and run.get("weights_only"):
         found.append(f"checkpoint {path} holds weights only (an import or conversion): load it with "
                      f"checkpoint.finetune=true")
+    found.append(base_problem(run, cfg, path, weights_only))
     return [problem for problem in found if problem is not None]
 
 
@@ -125,3 +129,59 @@ def loadable(path: Path | None) -> Path | None:
         return None
     path = follow_latest(path)
     return path if is_complete(path) else None
+
+
+# --- LoRA: a checkpoint of adapters only, on a base checkpoint named in its run.json ----------------------------
+# run.json's "peft_base": {"path": the base's iter_* directory, "fingerprint": the SHA-256 of its integrity.json
+# (Megatron-Core's per-file SHA-256 manifest: other weights at the same path are another base)}
+
+def fingerprint(path: Path) -> str | None:
+    """The SHA-256 of a torch_dist checkpoint's integrity manifest; None for a checkpoint without one."""
+    manifest = path / "integrity.json"
+    return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
+
+
+def base_of(path: Path, run: dict) -> dict | None:
+    """The base a LoRA fine-tune from checkpoint `path` (its run.json `run`) sits on: the base an adapters-only
+    checkpoint names, else the checkpoint itself (a torch_dist one: with a fingerprint)."""
+    if run.get("peft_base"):
+        return run["peft_base"]
+    digest = fingerprint(path)
+    return {"path": str(path.resolve()), "fingerprint": digest} if digest else None
+
+
+def lora_base(cfg: Config) -> dict | None:
+    """The base a peft=lora run's checkpoints name (they then save the adapters and peft.trainable only): the
+    base of the checkpoint it resumes, or the checkpoint a fine-tune starts from; None (full checkpoints) for
+    peft=none, a LoRA run from scratch, or one resumed from a full checkpoint."""
+    if str(cfg.peft.method) == "none":
+        return None
+    target, weights_only = load_target(cfg)
+    path = loadable(target)
+    if path is None:
+        return None
+    run = json.loads((path / RUN_FILE).read_text())
+    return base_of(path, run) if weights_only else run.get("peft_base")
+
+
+def base_problem(run: dict, cfg: Config, path: Path, weights_only: bool) -> str | None:
+    """An adapters-only checkpoint whose base is missing, changed, or not the base the config names
+    (checkpoint.finetune=true with checkpoint.load=BASE, resuming its own checkpoint): one line naming both."""
+    base = run.get("peft_base")
+    if not base:
+        return None
+    where = Path(base["path"])
+    if not is_complete(where):
+        return (f"checkpoint {path} holds LoRA adapters only, on the base {where}, which is missing or incomplete: "
+                f"restore the base there (the adapters need its weights)")
+    if fingerprint(where) != base["fingerprint"]:
+        return (f"checkpoint {path} holds LoRA adapters trained on the base {where}, whose weights changed since "
+                f"(its integrity.json differs): restore the base the adapters were trained on")
+    named = loadable(Path(cfg.checkpoint.load)) if cfg.checkpoint.finetune and cfg.checkpoint.load else None
+    if not weights_only and named is not None and named.resolve() != path.resolve():
+        other = base_of(named, json.loads((named / RUN_FILE).read_text()))
+        if other is None or Path(other["path"]) != where:
+            return (f"checkpoint {path} holds LoRA adapters trained on the base {where}, but this run's base is "
+                    f"checkpoint.load={cfg.checkpoint.load} ({other['path'] if other else named}): give "
+                    f"checkpoint.load={where}, or a new checkpoint.dir to start another fine-tune")
+    return None
