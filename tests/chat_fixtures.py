@@ -8,7 +8,7 @@ tokenizer directory (tokenizer.json, tokenizer_config.json with `chat_template`)
 The templates are the published ones (Meta-Llama-3-8B-Instruct's; Qwen2.5-Instruct's without its tool branches).
 The real templates of current families, verbatim (tests/fixtures/chat_templates/<name>.jinja, sources in its README):
 
-    real_chat_tokenizer(out_dir, "qwen3")   # REAL: llama3.1, llama3.2, qwen2.5, qwen3, mistral-nemo, gemma2
+    real_chat_tokenizer(out_dir, "qwen3")   # REAL: llama3.1, ..., gemma2, gemma3, phi4-mini
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ REAL = {  # name: special tokens (the first is the end of document), bos, eos (t
     "mistral-nemo": (["</s>", "<s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
                       "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], "<s>", "</s>", []),
     "gemma2": (["<eos>", "<bos>", "<pad>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", []),
+    "gemma3": (["<eos>", "<bos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"], "<bos>", "<eos>", []),
+    "phi4-mini": (["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"],
+                  "<|endoftext|>", "<|endoftext|>", []),
 }
 
 

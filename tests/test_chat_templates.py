@@ -1,6 +1,7 @@
 """training.data.chat.encode on the chat templates users bring, verbatim as published (tests/fixtures/chat_templates,
 sources in its README): Llama 3.1 / 3.2 Instruct (tool-capable, a dated system block), Qwen2.5 Instruct (with its
-tool branch), Qwen3 (reasoning blocks), Mistral Nemo, Gemma 2, each on a byte vocabulary plus the family's special
+tool branch), Qwen3 (reasoning blocks), Mistral Nemo, Gemma 2, Gemma 3 (system folded into the first user turn),
+Phi-4-mini (`<|end|>`; eos_token after the last turn), each on a byte vocabulary plus the family's special
 tokens (tests/chat_fixtures.py). The reference is transformers' apply_chat_template: an accepted conversation gives
 exactly its ids, and its masked tokens are exactly each answer as the template writes it with its end of turn (Qwen3's
 last answer with the empty reasoning block the template adds); the others are refused in one line. In-process, seconds.
@@ -20,7 +21,8 @@ from training.errors import ConfigError
 pytestmark = EXPECTED_WARNINGS
 
 SHA256 = {"llama3.1": "e10ca381b1ccc5cf", "llama3.2": "5816fce10444e03c", "qwen2.5": "cd8e9439f0570856",
-          "qwen3": "87a2728cb8dc9fe4", "mistral-nemo": "e4676cb56dffea77", "gemma2": "ecd6ae513fe103f0"}
+          "qwen3": "87a2728cb8dc9fe4", "mistral-nemo": "e4676cb56dffea77", "gemma2": "ecd6ae513fe103f0",
+          "gemma3": "7de1c58e208eda46", "phi4-mini": "febf589225c9728a"}
 SINGLE = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
 SYSTEM = [{"role": "system", "content": "Answer in one word."}, *SINGLE]
 MULTI = [{"role": "user", "content": "héllo 中文, 2+2?"}, {"role": "assistant", "content": "4 😀"},
@@ -48,6 +50,13 @@ EXPECTED = {  # (template, conversation): the text of each masked run, or how th
     ("gemma2", "single"): ["Paris.<end_of_turn>\n"],
     ("gemma2", "system"): "the chat template refuses this conversation (System role not supported)",
     ("gemma2", "multi"): ["4 😀<end_of_turn>\n", "6, with spaces<end_of_turn>\n"],
+    ("gemma3", "single"): ["Paris.<end_of_turn>\n"],  # the `model` role; the system folded into the first user turn
+    ("gemma3", "system"): ["Paris.<end_of_turn>\n"],
+    ("gemma3", "multi"): ["4 😀<end_of_turn>\n", "6, with spaces<end_of_turn>\n"],
+    # Phi writes eos_token after the last turn when no generation prompt follows: the last answer ends with it
+    ("phi4-mini", "single"): ["Paris.<|end|><|endoftext|>"],
+    ("phi4-mini", "system"): ["Paris.<|end|><|endoftext|>"],
+    ("phi4-mini", "multi"): ["4 😀<|end|>", "  6, with spaces  <|end|><|endoftext|>"],
 }
 
 
@@ -99,3 +108,28 @@ def test_encode_equals_the_template_or_refuses_in_one_line(tokenizers, name):
         assert mask.dtype == np.uint8 and ids.shape == mask.shape
         assert ids.tolist() == tok.hf.apply_chat_template(messages, tokenize=True)["input_ids"], conversation
         assert masked_runs(tok, ids, mask) == expected, conversation
+
+
+@pytest.mark.parametrize("name, prompt_text, turn_end", [
+    # Gemma 3: the system message folded into the first user turn, the answer under the `model` role
+    ("gemma3", "<bos><start_of_turn>user\nAnswer in one word.\n\nCapital of France?<end_of_turn>\n"
+               "<start_of_turn>model\n", "<end_of_turn>"),
+    ("phi4-mini", "<|system|>Answer in one word.<|end|><|user|>Capital of France?<|end|><|assistant|>", "<|end|>"),
+])
+def test_generate_chat_prompts_and_stops_with_gemma3_and_phi(tokenizers, tmp_path, name, prompt_text, turn_end):
+    """generate --chat (training/interop/chat_template.py): the prompt is the template's with the generation prompt,
+    and decoding stops at the end of the turn that the family's generation_config.json lists (Gemma 3: <eos> and
+    <end_of_turn>; Phi-4-mini: <|end|> and <|endoftext|>), as the published configs do."""
+    import shutil
+
+    from training.interop.chat_template import ChatTemplate, conversation
+
+    tok = tokenizers[name]
+    directory = tmp_path / name
+    shutil.copytree(tok.hf.name_or_path, directory)
+    end, eos = (int(tok.tokenize(t)[0][0]) for t in (turn_end, tok.hf.eos_token))
+    (directory / "generation_config.json").write_text(f'{{"eos_token_id": [{eos}, {end}]}}')
+    chat = ChatTemplate.load(str(directory))
+    ids = chat.prompt_ids(conversation("Capital of France?", system="Answer in one word."))
+    assert ids == tok.tokenize(prompt_text)[0].tolist()
+    assert end in chat.stop_ids(eod=tok.eod) and eos in chat.stop_ids(eod=tok.eod)

@@ -1,7 +1,8 @@
 """Gemma 3, OLMo 2, Phi-3 and Gemma 2 through tools/convert_hf.py (training/interop/hf_families.py): a small random
 model of each, built and saved by transformers' own classes, imports (--check: our logits at tp1 within 1e-5 of
 transformers', eager attention, on 64 tokens: past every window of 16), gives transformers' logits at tp2 (all
-families in one 2-process group), and exports (--check: the exported model's logits in transformers equal ours) as
+families in one 2-process group, which also decodes greedily at tp2 past the window, token for token as
+transformers' generate(), and fine-tunes 3 steps at tp2 from the import), and exports (--check: the exported model's logits in transformers equal ours) as
 its own family's config.json.
 
     gemma3_text  sandwich norms, (1 + w) norms, scaled embeddings, GeGLU-tanh, per-head QK-norm, layers sliding,
@@ -18,6 +19,7 @@ tensor). fp32; logits compared as max |diff| / max |logit| over the real vocabul
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -49,11 +51,14 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", dict(BASE, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=32,
                                     attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
 }
+# two prompts (19 and 2 tokens, the short one left-padded) and 24 new tokens: both run past the window of 16
+PROMPTS = [[84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 32, 102, 111, 120], [72, 105]]
+NEW = 24
 
 
 def _hf_models(root: str) -> dict:
     """One process: each family's random HF model saved, imported (--check), exported from the import (--check);
-    transformers' logits on the check's tokens."""
+    transformers' logits on the check's tokens and its greedy continuation of each prompt (generate(), eager)."""
     import transformers
 
     sys.path.insert(0, str(ROOT / "tools"))
@@ -78,13 +83,37 @@ def _hf_models(root: str) -> dict:
         out[name]["export"] = convert_main(convert_hf, ["export", "--ckpt", f"{root}/ckpt_{name}", "--out",
                                                         f"{root}/exported_{name}", *tolerance])
         out[name]["reference"] = reference_logits(hf_dir, out["tokens"])
+        eager = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").eval()
+        out[name]["generated"] = [eager.generate(
+            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW,
+            min_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
     return out
 
 
 def _at_tp2(root: str, tokens: torch.Tensor) -> dict:
-    """Two processes: every family's imported checkpoint at tp2 (one process group for all)."""
-    return logits_at_layouts([(name, f"{root}/conf", f"{root}/ckpt_{name}", [f"model=hf_{name}", "parallel.tp=2"])
-                              for name in FAMILIES], tokens)
+    """Two processes: every family's imported checkpoint at tp2 (one process group for all): logits, greedy
+    decoding, then 3 fine-tuning steps (seq 64, past the window)."""
+    from megatron.core import parallel_state
+    from runs import QUICK, _train
+
+    from training.interop.generation import Sampling, generate, inference_config, load_model
+    from training.parallel import dist as D
+
+    out = {"logits": logits_at_layouts([(name, f"{root}/conf", f"{root}/ckpt_{name}",
+                                         [f"model=hf_{name}", "parallel.tp=2"]) for name in FAMILIES], tokens),
+           "generated": {}}
+    for name in FAMILIES:
+        cfg, shape, _ = inference_config(f"{root}/ckpt_{name}", ["parallel.tp=2"])
+        info = D.init(**{**D.layout_of(cfg), "timeout_minutes": 2})
+        state = load_model(cfg, shape, info.device)
+        out["generated"][name] = generate(state, PROMPTS, NEW, Sampling(greedy=True), eod=-1, device=info.device)
+        parallel_state.destroy_model_parallel()
+    D.teardown()
+    for name in FAMILIES:
+        _train([f"hydra.searchpath=[file://{root}/conf]", f"model=hf_{name}", *QUICK, "model.num_layers=4",
+                "parallel.tp=2", f"checkpoint.load={root}/ckpt_{name}", "checkpoint.finetune=true", "train.iters=3",
+                "checkpoint.dir=null", "optim.lr=1e-2"], f"{root}/run_{name}")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +132,29 @@ def test_each_family_imports_with_transformers_logits_past_the_window_at_tp1_and
         assert code == 0, output + errors
         diffs[f"{name} tp1"] = relative_diff(output)
         reference = imported[name]["reference"]
-        got = [r[name] for r in ranks]
+        got = [r["logits"][name] for r in ranks]
         assert torch.equal(got[0], got[1]), name  # every rank gathers the same logits
         diffs[f"{name} tp2"] = ((got[0] - reference).abs().max() / reference.abs().max()).item()
     print(f"relative logits diff vs transformers: {diffs}")
     assert all(d <= TOLERANCE for d in diffs.values()), diffs
+
+
+def test_greedy_decoding_at_tp2_past_the_window_equals_transformers_generate(families):
+    _, imported, ranks = families
+    for name in FAMILIES:
+        assert ranks[0]["generated"][name] == ranks[1]["generated"][name] == imported[name]["generated"], name
+        assert all(len(ids) == NEW for ids in imported[name]["generated"]), name
+
+
+def test_each_family_fine_tunes_3_steps_at_tp2_from_the_import(families):
+    root, _, _ = families
+    from runs import losses
+
+    for name in FAMILIES:
+        steps = list(losses(root / f"run_{name}").values())
+        print(f"{name} fine-tuning losses at tp2: {steps}")
+        assert len(steps) == 3 and all(math.isfinite(x) for x in steps), (name, steps)
+        assert steps[-1] < steps[0], (name, steps)
 
 
 def test_each_family_exports_as_itself_with_equal_logits(families):

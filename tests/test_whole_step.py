@@ -20,7 +20,15 @@ STEPS = 4  # 3 updates, then the gradients of a 4th step
 WHOLE_STEP = ["optim.clip_grad=0.05", "optim.adam_eps=1e-4", "optim.lr=1e-2", "optim.warmup_iters=0",
               "optim.weight_decay=0.1"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.dispatcher=alltoall"]
-MODELS = {"dense": WHOLE_STEP, "moe": [*WHOLE_STEP, *MOE]}
+# issue 42's options all on (Gemma 2/3, gpt-oss, Phi): a window of 6 < seq 16 on sliding layers only (their own
+# RoPE base), soft-caps, Gemma's softmax scale, sinks, (1 + w) sandwich norms, the scaled embedding, GeGLU-tanh,
+# half the head rotated with YaRN (original context 8 < 16)
+OPTIONS = ["model.sliding_window=6", "model.layer_types=[sliding,full,sliding,full]", "model.rotary_base_local=1000",
+           "model.attn_logit_softcap=3.0", "model.final_logit_softcap=5.0", "model.query_pre_attn_scalar=8",
+           "model.attention_sinks=true", "model.norm_zero_centered=true", "model.norm_placement=sandwich",
+           "model.scale_embedding=true", "model.activation=geglu_tanh", "model.partial_rotary_factor=0.5",
+           "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position=8"]
+MODELS = {"dense": WHOLE_STEP, "moe": [*WHOLE_STEP, *MOE], "options": [*WHOLE_STEP, *OPTIONS]}
 # case -> (model, layout overrides, processes)
 CASES = {
     "tp2": ("dense", ["parallel.tp=2"], 2),
@@ -35,6 +43,9 @@ CASES = {
     "tp2-mlp": ("dense", ["parallel.tp=2", "parallel.tp_blocks=[mlp]"], 2),
     "tp2-mlp-pp2": ("dense", ["parallel.tp=2", "parallel.tp_blocks=[mlp]", "parallel.pp=2",
                               "train.micro_batch_size=1"], 4),
+    "options-tp2": ("options", ["parallel.tp=2"], 2),
+    "options-pp2": ("options", ["parallel.pp=2"], 2),
+    "options-cp2": ("options", ["parallel.cp=2"], 2),
 }
 BATCH = make_batch(global_batch=4, seq=16)
 

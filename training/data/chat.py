@@ -16,7 +16,8 @@ tokenizer.apply_chat_template(messages). The mask comes from renderings, not fro
 assistant turn i's answer is the text between the rendering of messages[:i] with the generation prompt and that
 of messages[:i + 1] (its content and end-of-turn, e.g. `<|eot_id|>`, or `<|im_end|>` and a newline), and a token
 is a target when its first character lies in an answer. A reasoning template (Qwen3) writes a `<think>` block
-before the last answer only: an earlier answer is located without it, as the whole conversation renders it. Any
+before the last answer only: an earlier answer is located without it, as the whole conversation renders it; so is
+the eos_token a template writes after the last turn when no generation prompt follows (Phi-3, Phi-4-mini). Any
 other template whose renderings are not prefixes of each other (one that rewrites earlier turns, e.g. Mistral
 Nemo's moving the system prompt into the last user turn) is refused, naming the record.
 """
@@ -196,6 +197,9 @@ def encode(tokenizer: ChatTokenizer, messages: list[dict], where: str = "a conve
         answer = answer[len(before):]
         if stable and not full.startswith(answer, len(before)) and (cut := REASONING.match(answer)):
             answer = answer[cut.end():]  # a reasoning template (Qwen3) keeps the block on the last answer only
+        eos = tokenizer.hf.eos_token or ""
+        if stable and not full.startswith(answer, len(before)) and eos and answer.endswith(eos):
+            answer = answer[:-len(eos)]  # Phi ends the text with eos_token: after the last turn only
         if not (stable and full.startswith(answer, len(before))):
             raise ConfigError(f"{where}: the chat template is not prefix-stable (rendering the conversation up to "
                               f"assistant turn {i} does not begin the longer rendering: it rewrites earlier turns), "
