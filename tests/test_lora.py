@@ -1,9 +1,9 @@
-"""LoRA (peft=lora, models/lora.py, training/parallel/peft.py): the adapted linear against plain PyTorch, and
-LoRA training at tp2, tp2+sp, pp2, dp2 with the distributed optimizer and tp2 splitting only the MLP
-(parallel.tp_blocks) against one process, each from its own
-initialisation with the same seed (so the adapters' initial values are compared across layouts too): the
-losses and grad norms per step, the adapters after the steps and their last gradients, the frozen weights
-bit-identical to their start, and the optimizer and DDP's gradient buffers holding the adapters only."""
+"""LoRA (peft=lora, models/lora.py, training/parallel/peft.py): the adapted linear against plain PyTorch, and LoRA
+training at tp2, tp2+sp, pp2, pp2+vpp2, cp2, dp2 with the distributed optimizer and tp2 splitting only the MLP
+(parallel.tp_blocks) against one process, each from its own initialisation with the same seed (so the adapters'
+initial values are compared across layouts too): the losses and grad norms per step, the adapters after the steps and
+their last gradients, the frozen weights bit-identical to their start, and the optimizer and DDP's gradient buffers
+holding the adapters only."""
 
 import pytest
 import torch
@@ -20,7 +20,8 @@ TENSOR_RTOL, RTOL = 3e-5, 1e-6
 STEPS = 3
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"],
            "dp2-distopt": ["parallel.dist_opt=true", "train.micro_batch_size=1"],
-           "tp2-mlp": ["parallel.tp=2", "parallel.tp_blocks=[mlp]"]}  # attention whole: its adapters replicated
+           "tp2-mlp": ["parallel.tp=2", "parallel.tp_blocks=[mlp]"],  # attention whole: its adapters replicated
+           "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1"], "cp2": ["parallel.cp=2"]}
 BF16 = ["parallel.tp=2", "train.precision=bf16", "model.fused_kernels=false"]  # trains, base untouched; not exact
 BATCH = make_batch(global_batch=4, seq=16)
 
@@ -135,8 +136,7 @@ def test_lora_layouts_equal_one_process():
     assert all(n > 0.1 for n in ref["norms"]), f"clipping (optim.clip_grad=0.1) must be active: {ref['norms']}"
 
     per_rank = run_distributed(_train_all, 2, ([*LAYOUTS.values(), BF16], BATCH), timeout=300)
-    failures = []
-    bf16 = [r[-1] for r in per_rank]
+    failures, bf16 = [], [r[-1] for r in per_rank]
     _check_rank_holdings(bf16, dist_opt=False)
     got = _gather(bf16)
     assert got["losses"] == pytest.approx(ref["losses"], rel=2e-2), (got["losses"], ref["losses"])

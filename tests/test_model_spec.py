@@ -62,6 +62,7 @@ def test_every_preset_has_exactly_the_parameters_the_estimate_counts():
     assert results["olmo2_7b"][0] == 7_298_617_344 and results["olmo2_13b"][0] == 13_716_198_400
     assert results["phi4"][0] == 14_659_507_200 and results["phi4_mini"][0] == 3_836_021_760
     assert results["mistral_7b_v0_1"][0] == 7_241_732_096
+    assert results["llama3_1_70b"][0] == 70_553_706_496  # Llama 3.1 70B's published count
 
 
 @pytest.mark.fast

@@ -7,28 +7,27 @@ Which config.json fields map to which model.* fields: training/interop/hf_config
     .venv/bin/python tools/convert_hf.py export --ckpt outputs/<run>/checkpoints --out ~/hf/llama2-tuned --check \
         --tokenizer-dir ~/hf/Llama-2-7b-hf
 
-import: reads config.json + model.safetensors (or shards + model.safetensors.index.json), derives the model
-config from config.json, writes it as a preset (conf/model/local/<name>.yaml, selected as model=local/<name>;
-git ignores conf/model/local/ and the tests do not collect it; or --preset-out) and a template checkpoint
-(<out>/iter_0000000 + <out>/latest, the model config in its run.json) that train.py loads at any
-tp / pp / dp layout. Extra arguments are Hydra overrides of everything but the model's shape (e.g.
-model.seq_length=1024 trains shorter sequences than max_position_embeddings; train.precision=bf16 stores bf16
-weights: half the disk, not less memory, and a looser check). A sliding window (Mistral's sliding_window) imports
-as model.sliding_window: every layer attends within it, as transformers' (training/interop/hf_config.py).
-export: loads a template checkpoint (saved at any layout: dist_checkpointing reshards) in one process and
-writes config.json (LlamaConfig, derived from its run.json) + model.safetensors (shards above --max-shard-gb)
-that transformers.AutoModelForCausalLM.from_pretrained loads, and the tokenizer files with their chat template
-(tokenizer.json, tokenizer_config.json, chat_template.jinja, ...; config.json's bos/eos/pad ids) from
---tokenizer-dir, or else from the run's data.tokenizer when that is a directory, so the exported model's
-AutoTokenizer renders conversations as the fine-tuned one was trained on. A LoRA run (peft=lora): export --adapter
-writes a Hugging Face PEFT adapter, --merge the merged model (training/interop/peft_export.py; docs/peft.md).
+import: reads config.json + model.safetensors (or shards + model.safetensors.index.json), derives the model config from
+config.json, writes it as a preset (conf/model/local/<name>.yaml, selected as model=local/<name>; git ignores
+conf/model/local/ and the tests do not collect it; or --preset-out) and a template checkpoint (<out>/iter_0000000 +
+<out>/latest, the model config in its run.json) that train.py loads at any tp / pp / dp layout. Extra arguments are
+Hydra overrides of everything but the model's shape (e.g. model.seq_length=1024 trains shorter sequences than
+max_position_embeddings; train.precision=bf16 stores bf16 weights: half the disk, not less memory, and a looser check).
+A sliding window (Mistral's sliding_window) imports as model.sliding_window: every layer attends within it, as
+transformers' (training/interop/hf_config.py).
+export: loads a template checkpoint (saved at any layout: dist_checkpointing reshards) in one process and writes
+config.json (LlamaConfig, derived from its run.json) + model.safetensors (shards above --max-shard-gb) that
+transformers.AutoModelForCausalLM.from_pretrained loads, and the tokenizer files with their chat template
+(tokenizer.json, tokenizer_config.json, chat_template.jinja, ...; config.json's bos/eos/pad ids) from --tokenizer-dir,
+or else from the run's data.tokenizer when that is a directory, so the exported model's AutoTokenizer renders
+conversations as the fine-tuned one was trained on. A LoRA run (peft=lora): export --adapter writes a Hugging Face PEFT
+adapter, --merge the merged model (training/interop/peft_export.py; docs/peft.md).
 --check (both): run our model and transformers' on the same token ids, print the max |logit diff| and the same
 relative to max |logit|; exit 1 when the relative one exceeds --tolerance (fp32 1e-4, bf16 5e-2).
 
-Memory: one process holds the bare model (built without gradient buffers or optimizer): 4 bytes/param at
-fp32 (7B: ~28 GB), 2 at bf16, plus the safetensors being read (memory-mapped: page cache); --check adds the
-transformers model (4 bytes/param at fp32).
-Random init is skipped (every weight is loaded). Import at fp32 (exact --check) and train with
+Memory: one process holds the bare model (built without gradient buffers or optimizer): 4 bytes/param at fp32 (7B: ~28
+GB), 2 at bf16, plus the safetensors being read (memory-mapped: page cache); --check adds the transformers model (4
+bytes/param at fp32). Random init is skipped (every weight is loaded). Import at fp32 (exact --check) and train with
 train.precision=bf16: the fp32 checkpoint loads into a bf16 run. Exit codes: 0 ok, 1 the check failed, 2 an error.
 """
 
@@ -110,7 +109,10 @@ def do_import(args, overrides: list[str]) -> bool:
     from training.interop import hf, hf_config
     from training.parallel import dist as D
 
-    hf_dir = Path(args.hf_dir)
+    if args.adapter:  # a PEFT adapter onto an imported base checkpoint
+        from training.interop.peft_import import import_adapter
+        return import_adapter(args, overrides)
+    hf_dir = Path(args.hf_dir or "--hf-dir not given")
     if not (hf_dir / "config.json").is_file():
         raise TemplateError(f"{hf_dir} has no config.json: point --hf-dir at a downloaded Hugging Face model")
     fields = hf_config.model_fields(json.loads((hf_dir / "config.json").read_text()))
@@ -247,11 +249,12 @@ def parse(argv: list[str]):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="Hugging Face directory -> template checkpoint + model preset")
-    imp.add_argument("--hf-dir", required=True, help="local directory with config.json and *.safetensors")
+    imp.add_argument("--hf-dir", help="local directory with config.json and *.safetensors")
     imp.add_argument("--out", required=True, help="checkpoint directory to create (checkpoint.load=...)")
+    imp.add_argument("--adapter", help="a PEFT LoRA adapter directory onto --base: an adapters-only checkpoint")
+    imp.add_argument("--base", help="--adapter: the base model's checkpoint (written by convert_hf import)")
     imp.add_argument("--name", help="preset name (model=NAME); default: the directory's name")
-    imp.add_argument("--preset-out", help="preset YAML path; default conf/model/local/<name>.yaml (git-ignored; "
-                                          "model=local/<name>)")
+    imp.add_argument("--preset-out", help="preset YAML path; default conf/model/local/<name>.yaml (model=local/<name>)")
     imp.add_argument("--force", action="store_true", help="overwrite an existing preset file")
     exp = sub.add_parser("export", help="template checkpoint -> Hugging Face directory")
     exp.add_argument("--ckpt", required=True, help="a checkpoint directory (with `latest`) or an iter_* directory")
@@ -261,11 +264,9 @@ def parse(argv: list[str]):
                                              "bos/eos/pad ids) from here, e.g. the imported HF directory; default: "
                                              "the run's data.tokenizer when it is a directory")
     how = exp.add_mutually_exclusive_group()
-    how.add_argument("--adapter", action="store_true", help="a LoRA run: write its adapters as a Hugging Face PEFT "
-                                                             "adapter (adapter_config.json, adapter_model.safetensors)")
+    how.add_argument("--adapter", action="store_true", help="a LoRA run: its adapters as a Hugging Face PEFT adapter")
     how.add_argument("--merge", action="store_true", help="a LoRA run: write the model with the adapters merged")
-    exp.add_argument("--base-hf-dir", help="--adapter: the HF base model (the adapter config's "
-                                           "base_model_name_or_path; --check loads it with peft)")
+    exp.add_argument("--base-hf-dir", help="--adapter: the HF base (base_model_name_or_path; --check loads it)")
     for p in (imp, exp):
         p.add_argument("--check", action="store_true", help="compare logits with transformers' (exit 1 if off)")
         p.add_argument("--tolerance", type=float, help="max relative logits diff (fp32 1e-4, bf16 5e-2)")

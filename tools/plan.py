@@ -6,6 +6,7 @@ layout that fits is recommended with the overrides that select it (the batch's i
     .venv/bin/python tools/plan.py model=llama3_1_8b plan.nodes=2
     .venv/bin/python tools/plan.py --json model=llama3_8b plan.nodes=4 train.global_batch_size=512
     .venv/bin/python tools/plan.py model=llama_1b plan.gpus_per_node=1 train.micro_batch_size=2 train.precision=bf16
+    .venv/bin/python tools/plan.py model=llama3_1_70b peft=lora    # LoRA: a frozen base (training/estimate/lora.py)
 
 Other arguments are Hydra overrides of the training config (model.seq_length, train.micro_batch_size,
 train.global_batch_size, train.precision, ...): the planner composes what train.py would. The batch: yours
@@ -152,9 +153,17 @@ def plan(settings: dict, overrides: list[str], prepared: tuple | None = None) ->
     header = (f"{cfg.model.name}: {rows[0]['params_total'] / 1e9:.3f} B parameters, seq {cfg.model.seq_length}; "
               f"{world} GPUs ({settings['nodes']} x {settings['gpus_per_node']}) of {settings['gpu_mem_gb']:g} GB, "
               f"budget {settings['gpu_mem_gb'] * t.max_memory_fraction:g} GB (train.max_memory_fraction="
-              f"{t.max_memory_fraction:g}); flash attention {'assumed' if settings['flash_attention'] else 'off'}\n"
+              f"{t.max_memory_fraction:g}); flash attention {'assumed' if settings['flash_attention'] else 'off'}"
+              f"{lora_note(cfg)}\n"
               f"{batch.header}")
     return rows, header
+
+
+def lora_note(cfg) -> str:
+    """peft=lora: the base frozen (its weights only), the adapters trained (training/estimate/lora.py)."""
+    p = cfg.peft
+    return "" if str(p.method) != "lora" else (f"; LoRA rank {p.rank} on {','.join(p.targets)}: the base frozen "
+                                                f"(weights only), the adapters trained")
 
 
 def command(settings: dict, overrides: list[str], layout: str) -> str:

@@ -31,6 +31,10 @@ the distributed optimizer shards over DP x CP. Minimal TP (parallel.tp_blocks): 
 whole counts its parameters and activations as at tp 1 on every TP rank (models/shape.py's Split.of), the
 vocabulary's logits too when it is whole.
 
+peft=lora (training/estimate/lora.py): the frozen base keeps its weights only, in the training dtype (2 or 4
+bytes; no gradient, main-grad buffer, fp32 copy or Adam state), the adapters the 18 (16) bytes above; the
+adapters' rank-r activations (and their dropout's) are added to each layer's.
+
 Not counted (keep headroom with train.max_memory_fraction): the CUDA context and NCCL buffers (~1 GB),
 allocator fragmentation, pipeline send/receive buffers, O(s) statistics (norms', flash attention's softmax).
 """
@@ -46,6 +50,7 @@ from models.activations import ActivationContext
 from models.shape import ModelShape, Split
 from models.spec import layer_spec
 from training.config.schema import Config
+from training.estimate import lora
 from training.parallel import fsdp as fsdp_feature
 from training.parallel.layout import Layout
 
@@ -61,6 +66,7 @@ class Estimate:
     weights_and_optimizer: float  # bytes on that GPU
     activations: float  # bytes on that GPU at the peak of the step
     recompute: str = "none"  # model.recompute the activations assume
+    adapters: int = 0  # peft=lora: the trainable adapter elements on that GPU (params_per_gpu: the frozen base)
 
     @property
     def total(self) -> float:
@@ -75,7 +81,7 @@ class Estimate:
         return (f"memory estimate per GPU ({self.layout.name}, recompute {self.recompute}): {g['total']:.2f} GB = "
                 f"weights+grads+optimizer {g['weights_and_optimizer']:.2f} + activations {g['activations']:.2f} on "
                 f"pipeline stage {self.stage} ({self.params_per_gpu / 1e6:,.1f} M of {self.params_total / 1e6:,.1f} M "
-                f"parameters)")
+                f"parameters{f'; LoRA: frozen, + {self.adapters / 1e6:,.2f} M adapter' if self.adapters else ''})")
 
 
 def bytes_per_param(precision: str, dist_opt: bool, dp: int, fsdp: str = "none") -> float:
@@ -145,6 +151,7 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
     act, split = activation_context(cfg, shape, lay, flash_attention), split_of(lay)
     numbers = stage_layer_numbers(shape.num_layers, lay.pp, lay.vpp, stage)
     out = sum(_layer_bytes(shape, split, act, n) for n in numbers) / len(numbers) * in_flight  # its mean layer
+    out += lora.adapter_activations(cfg, shape, lay, act, stage, split) * in_flight  # peft=lora's h (and dropout)
     if act.recompute == "full":  # backward recomputes one layer at a time: the largest one's activations live once
         out += max(_layer_bytes(shape, split, replace(act, recompute="none"), n) for n in numbers)
     if lay.cp > 1:  # the causal mask of context-parallel attention, [s/cp, s] additive, shared by the layers
@@ -183,6 +190,10 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool 
         # the distributed optimizer shards dense state over DP x CP, expert state over the expert-DP group
         weights = (params - experts) * bytes_per_param(precision, lay.dist_opt, lay.grad_group, lay.fsdp) + \
             experts * bytes_per_param(precision, lay.dist_opt, lay.edp)
+        adapters = lora.adapter_params(cfg, shape, lay, stage, split_of(lay))
+        if lora.enabled(cfg):  # a frozen base: its weights only, in the training dtype (training/estimate/lora.py)
+            weights = params * (2 if precision == "bf16" else 4) + \
+                adapters * bytes_per_param(precision, lay.dist_opt, lay.grad_group)
         activations = stage_activations(cfg, shape, lay, lay.num_microbatches, stage, flash_attention)
         if lay.fsdp_enabled:  # ZeRO-3's unsharded weights: the root unit always, two layers' units in flight
             layer = sum(block.num_params(shape, split_of(lay))
@@ -190,7 +201,7 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool 
             root, in_flight = fsdp_feature.unsharded_bytes(precision, lay.fsdp, params, layer, shape.num_layers)
             weights, activations = weights + root, activations + in_flight
         candidate = Estimate(lay, _params(shape), params, stage, weights, activations,
-                             str(cfg.model.recompute))
+                             str(cfg.model.recompute), adapters)
         if worst is None or candidate.total > worst.total:
             worst = candidate
     return worst

@@ -82,18 +82,21 @@ def assess(option, shape, lay, settings: dict) -> dict:
     e = 2 if t.precision == "bf16" else 4
     sbh = shape.seq_length // lay.cp * t.micro_batch_size * shape.hidden_size  # this rank's tokens
     flops_per_token = _flops(shape, lay.tp)  # 3 x forward
-    flops_per_gpu = flops_per_token * t.global_batch_size * shape.seq_length / world
+    share = 2 / 3 if est.adapters else 1.0  # peft=lora: frozen weights' gradient GEMMs skipped (backward = forward)
+    flops_per_gpu = flops_per_token * share * t.global_batch_size * shape.seq_length / world
     whole = tuple(k for k in ("attention", "mlp", "vocab") if k not in lay.tp_blocks)  # computed on every TP rank
     redundant = (lay.tp - 1) * _flops(shape, lay.tp, whole) / flops_per_token if whole else 0.0
     recompute = {"none": 0.0, "full": (flops_per_token / 3 - 2 * shape.hidden_size * vocab) / flops_per_token,
                  "selective": 2 * shape.num_layers * shape.seq_length * shape.q_width / flops_per_token}[recompute_mode]
+    recompute /= share  # of this run's training FLOPs
     # TP per layer and micro-batch: 2 all-reduces forward + 2 backward (SP: all-gathers + reduce-scatters of
     # the same volume; its backward re-gather overlaps the weight-gradient GEMMs); full recompute redoes forward
     collectives = 4 + (2 if recompute_mode == "full" else 0)
     split = sum(k in lay.tp_blocks for k in ("attention", "mlp")) / 2  # each split block: half the collectives
     tp_bytes = (shape.num_layers // lay.pp) * micro * collectives * split * 2 * (lay.tp - 1) / lay.tp * e * sbh
     shard = (lay.grad_group - 1) / lay.grad_group  # gradients are reduced over DP x CP
-    dp_bytes = est.params_per_gpu * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
+    reduced = est.adapters or est.params_per_gpu  # peft=lora: only the adapters' gradients are reduced
+    dp_bytes = reduced * (shard * (4 + e) if lay.dist_opt else 2 * shard * 4)  # fp32 grads
     if lay.fsdp == "optim_grads_params":  # ZeRO-3: its weights gathered for forward and again for backward
         dp_bytes = est.params_per_gpu * lay.dp * shard * (4 + 2 * e)
     pp_bytes = 2 * micro * (lay.vpp or 1) * e * sbh / (lay.tp if lay.sp else 1) if lay.pp > 1 else 0.0
@@ -202,7 +205,10 @@ def what_would_fit(cfg, shape, settings: dict, micro: int | None, rows: list[dic
         if fit:
             out.append(f"  a smaller micro batch: {len(fit)} layouts fit without train.micro_batch_size={micro} "
                        f"(searched from 1; the best: {fit[0]['name']} at micro batch {fit[0]['micro_batch_size']})")
-    one_copy = bytes_per_param(str(cfg.train.precision), False, 1) * closest["params_total"] / 1e9  # GB, all GPUs
+    precision = str(cfg.train.precision)
+    per_param = (2 if precision == "bf16" else 4) if str(cfg.peft.method) == "lora" else \
+        bytes_per_param(precision, False, 1)  # peft=lora: the frozen base's weights alone
+    one_copy = per_param * closest["params_total"] / 1e9  # GB, all GPUs
     for factor in (2, 4, 8):
         more = {**settings, "nodes": settings["nodes"] * factor}
         if one_copy / (more["nodes"] * more["gpus_per_node"]) > budget:

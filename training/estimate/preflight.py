@@ -128,6 +128,7 @@ def preflight(cfg: Config, layout: Layout, shape: ModelShape, device: torch.devi
     if is_rank0():
         report["memory_estimate"] = {"layout": est.layout.name, "recompute": est.recompute, "stage": est.stage,
                                      "params_total": est.params_total, "params_per_gpu": est.params_per_gpu,
+                                     "lora_adapters_per_gpu": est.adapters,
                                      "gb": est.mem_gb(), "max_memory_fraction": cfg.train.max_memory_fraction}
         path = Path(run_dir) / "environment.json"
         path.parent.mkdir(parents=True, exist_ok=True)

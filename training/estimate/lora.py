@@ -1,0 +1,88 @@
+"""The memory estimate's view of LoRA (peft=lora, training/parallel/peft.py): a frozen base and small adapters.
+
+    n = adapter_params(cfg, shape, lay, stage)      # A and B elements on one GPU of pipeline rank `stage`
+    weights = frozen * e + n * bytes_per_param(...) # e: 2 bytes in bf16, 4 in fp32 (memory.py applies it)
+    extra = adapter_activations(cfg, shape, lay, act, stage)  # bytes the adapters add per micro-batch
+
+Frozen weights keep only themselves, in the training dtype: no gradient, no DDP main-grad buffer, no fp32 main
+copy, no Adam state (Megatron-Core allocates those for requires_grad parameters only). The adapters are trained
+parameters like any other: 2 + 4 + 12 = 18 bytes each in bf16 (16 in fp32), the distributed optimizer sharding
+the 12 (8) over DP x CP. Their sharding is the base's (models/lora.py): column base [out/tp, in]: A [r, in]
+whole, B [out/tp, r]; row base [out, in/tp]: A [r, in/tp], B [out, r] whole; a block tp leaves whole
+(parallel.tp_blocks): both whole.
+
+Activations: each adapted linear keeps h = scale * A x, [tokens, r], for B's gradient (a column adapter's h is
+gathered to the full sequence; a row adapter's h is reduce-scattered along it under SP). A x saves x, which the
+blocks' declarations already count (the linear's input, which a trained base saves too). With peft.dropout > 0,
+the dropped copy of x and its bool mask (1 byte an element) per adapted linear.
+
+Not counted: peft.trainable's parameters (counted frozen); the inputs a frozen, unadapted linear no longer keeps
+(an overestimate when peft.targets leaves linears out); the linears of a custom block not in linears() below.
+"""
+
+from __future__ import annotations
+
+from models.activations import ActivationContext
+from models.shape import ModelShape, Split
+from models.tp_blocks import KIND
+
+
+def linears(shape: ModelShape) -> dict[str, dict[str, tuple[int, int, str]]]:
+    """The built-in blocks' adaptable linears, by block class: name -> (in, out, column | row), full (tp 1)
+    sizes: models/attention.py's fused QKV and output projection, models/mlp.py's fc1 (gate|up when gated) and
+    fc2, models/gated_mlp.py's gate, up and down."""
+    h, q, kv, ffn = shape.hidden_size, shape.q_width, shape.kv_width, shape.ffn_hidden_size
+    return {"SelfAttention": {"linear_qkv": (h, q + 2 * kv, "column"), "linear_proj": (q, h, "row")},
+            "MLP": {"linear_fc1": (h, 2 * ffn if shape.gated else ffn, "column"), "linear_fc2": (ffn, h, "row")},
+            "GatedMLP": {"gate": (h, ffn, "column"), "up": (h, ffn, "column"), "down": (ffn, h, "row")}}
+
+
+def enabled(cfg) -> bool:
+    return str(cfg.peft.method) == "lora"
+
+
+def _adapted(cfg, shape: ModelShape, split: Split, numbers: list[int]):
+    """(kind, tp, in, out) of every adapted linear on one GPU holding layers `numbers`."""
+    from models.spec import layer_spec
+
+    table, targets = linears(shape), set(cfg.peft.targets)
+    for n in numbers:
+        for name, block in layer_spec(shape, n).items():
+            if name not in KIND or block is None:
+                continue
+            for linear, (inp, out, kind) in table.get(block.__name__, {}).items():
+                if linear in targets:
+                    yield kind, split.of(KIND[name]).tp, inp, out
+
+
+def stage_layers(shape: ModelShape, lay, stage: int) -> list[int]:
+    from models.stack import stage_layer_numbers
+
+    return stage_layer_numbers(shape.num_layers, lay.pp, lay.vpp, stage)
+
+
+def adapter_params(cfg, shape: ModelShape, lay, stage: int, split: Split) -> int:
+    """A's and B's elements on one GPU of pipeline rank `stage` (0 without peft=lora)."""
+    if not enabled(cfg):
+        return 0
+    r, total = cfg.peft.rank, 0
+    for kind, tp, inp, out in _adapted(cfg, shape, split, stage_layers(shape, lay, stage)):
+        total += r * inp + r * out // tp if kind == "column" else r * inp // tp + r * out
+    return total
+
+
+def adapter_activations(cfg, shape: ModelShape, lay, act: ActivationContext, stage: int, split: Split) -> float:
+    """Bytes the adapters of a stage's mean layer keep per micro-batch, times its layers (one layer-set: the
+    caller scales by the layers in flight as it does the blocks' own)."""
+    if not enabled(cfg) or act.recompute == "full":  # full recompute: only the layer's input survives
+        return 0.0
+    r, dropout, total = cfg.peft.rank, cfg.peft.dropout > 0, 0.0
+    numbers = stage_layers(shape, lay, stage)
+    for kind, tp, inp, _ in _adapted(cfg, shape, split, numbers):
+        sp = act.sp and tp > 1
+        h_tokens = act.tokens / (tp if sp and kind == "row" else 1)  # column: gathered; row: scattered
+        total += act.bytes * h_tokens * r
+        if dropout:  # the dropped input and its mask: the linear's own input, as the base holds it
+            x = act.tokens / (tp if sp and kind == "column" else 1) * (inp / tp if kind == "row" else inp)
+            total += (act.bytes + 1) * x
+    return total / len(numbers)
