@@ -35,6 +35,30 @@ def relative_diff(output: str) -> float:
     return float(value)
 
 
+# greedy decoding checks: two prompts (19 bytes and 2) and 24 new tokens, past a window of 16
+PROMPTS = [[84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 32, 102, 111, 120], [72, 105]]
+NEW = 24
+
+
+def greedy_at_tp2(root: str, names) -> dict:
+    """{name: greedy continuations of PROMPTS} of each imported checkpoint {root}/ckpt_{name}, at tp2 (in a
+    2-process group; the model-parallel state is rebuilt per checkpoint)."""
+    from megatron.core import parallel_state
+
+    from training.interop.generation import Sampling, generate, inference_config, load_model
+    from training.parallel import dist as D
+
+    out = {}
+    for name in names:
+        cfg, shape, _ = inference_config(f"{root}/ckpt_{name}", ["parallel.tp=2"])
+        info = D.init(**{**D.layout_of(cfg), "timeout_minutes": 2})
+        state = load_model(cfg, shape, info.device)
+        out[name] = generate(state, PROMPTS, NEW, Sampling(greedy=True), eod=-1, device=info.device)
+        parallel_state.destroy_model_parallel()
+    D.teardown()
+    return out
+
+
 def logits_at_layouts(jobs: list[tuple[str, str, str, list[str]]], tokens: torch.Tensor) -> dict:
     """For each (label, preset dir, checkpoint, overrides): load the checkpoint's weights at that layout (one
     2-process group; the model-parallel state is rebuilt per job) and return the gathered logits, if any."""

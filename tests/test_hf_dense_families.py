@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from hf_interop import ROOT, VOCAB, convert_main, logits_at_layouts, relative_diff
+from hf_interop import NEW, PROMPTS, ROOT, VOCAB, convert_main, greedy_at_tp2, logits_at_layouts, relative_diff
 
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
     pytest.skip("needs the hf extra: pip install -e '.[hf]'", allow_module_level=True)
@@ -52,8 +52,6 @@ FAMILIES = {
                                     attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
 }
 # two prompts (19 and 2 tokens, the short one left-padded) and 24 new tokens: both run past the window of 16
-PROMPTS = [[84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 32, 102, 111, 120], [72, 105]]
-NEW = 24
 
 
 def _hf_models(root: str) -> dict:
@@ -93,22 +91,11 @@ def _hf_models(root: str) -> dict:
 def _at_tp2(root: str, tokens: torch.Tensor) -> dict:
     """Two processes: every family's imported checkpoint at tp2 (one process group for all): logits, greedy
     decoding, then 3 fine-tuning steps (seq 64, past the window)."""
-    from megatron.core import parallel_state
     from runs import QUICK, _train
-
-    from training.interop.generation import Sampling, generate, inference_config, load_model
-    from training.parallel import dist as D
 
     out = {"logits": logits_at_layouts([(name, f"{root}/conf", f"{root}/ckpt_{name}",
                                          [f"model=hf_{name}", "parallel.tp=2"]) for name in FAMILIES], tokens),
-           "generated": {}}
-    for name in FAMILIES:
-        cfg, shape, _ = inference_config(f"{root}/ckpt_{name}", ["parallel.tp=2"])
-        info = D.init(**{**D.layout_of(cfg), "timeout_minutes": 2})
-        state = load_model(cfg, shape, info.device)
-        out["generated"][name] = generate(state, PROMPTS, NEW, Sampling(greedy=True), eod=-1, device=info.device)
-        parallel_state.destroy_model_parallel()
-    D.teardown()
+           "generated": greedy_at_tp2(root, FAMILIES)}
     for name in FAMILIES:
         _train([f"hydra.searchpath=[file://{root}/conf]", f"model=hf_{name}", *QUICK, "model.num_layers=4",
                 "parallel.tp=2", f"checkpoint.load={root}/ckpt_{name}", "checkpoint.finetune=true", "train.iters=3",

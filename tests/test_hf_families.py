@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from hf_interop import ARCH, ROOT, VOCAB, convert_main, logits_at_layouts, relative_diff
+from hf_interop import ARCH, NEW, PROMPTS, ROOT, VOCAB, convert_main, greedy_at_tp2, logits_at_layouts, relative_diff
 
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
     pytest.skip("needs the hf extra: pip install -e '.[hf]'", allow_module_level=True)
@@ -41,8 +41,6 @@ FAMILIES = {
                                          norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
                   [["parallel.ep=2"]], ["parallel.tp=2", "parallel.sp=true"]),
 }
-PROMPTS = [[84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 32, 102, 111, 120], [72, 105]]
-NEW = 24
 
 
 def _hf_models(root: str) -> dict:
@@ -78,27 +76,11 @@ def _hf_models(root: str) -> dict:
 def _at_tp2(root: str, tokens: torch.Tensor) -> dict:
     """Two processes: each family's logits at tp2 (and its other layouts), greedy decoding at tp2, then 3 steps
     of fine-tuning at its training layout, saved for export."""
-    from megatron.core import parallel_state
     from runs import QUICK, _train
-
-    from training.interop.generation import (
-        Sampling,
-        generate,
-        inference_config,
-        load_model,
-    )
-    from training.parallel import dist as D
 
     jobs = [(f"{name} {' '.join(extra) or 'tp2'}", f"{root}/conf", f"{root}/ckpt_{name}", [f"model=hf_{name}", *extra])
             for name, (_, _, others, _) in FAMILIES.items() for extra in (["parallel.tp=2"], *others)]
-    out = {"logits": logits_at_layouts(jobs, tokens), "generated": {}}
-    for name in FAMILIES:
-        cfg, shape, _ = inference_config(f"{root}/ckpt_{name}", ["parallel.tp=2"])
-        info = D.init(**{**D.layout_of(cfg), "timeout_minutes": 2})
-        state = load_model(cfg, shape, info.device)
-        out["generated"][name] = generate(state, PROMPTS, NEW, Sampling(greedy=True), eod=-1, device=info.device)
-        parallel_state.destroy_model_parallel()
-    D.teardown()
+    out = {"logits": logits_at_layouts(jobs, tokens), "generated": greedy_at_tp2(root, FAMILIES)}
     for name, (_, _, _, layout) in FAMILIES.items():
         _train([f"hydra.searchpath=[file://{root}/conf]", f"model=hf_{name}", *QUICK, "model.num_layers=4",
                 *layout, f"checkpoint.load={root}/ckpt_{name}", "checkpoint.finetune=true", "train.iters=3",
