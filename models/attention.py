@@ -150,7 +150,7 @@ class SelfAttention(MegatronModule):
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:
         h, q, kv = shape.hidden_size, shape.q_width, shape.kv_width
-        scores = 2 * 2 * shape.seq_length * q / 2  # q k^T and probs v; the causal mask halves them
+        scores = 2 * 2 * attended_keys(shape) * q  # q k^T and probs v over the keys a query sees
         return 2 * h * (q + 2 * kv) + scores + 2 * q * h
 
     @staticmethod
@@ -264,3 +264,14 @@ def _hf_kinds(config: TransformerConfig, qkv: bool) -> tuple[str, ...]:
 
 def _norm_kinds(config: TransformerConfig) -> tuple[str, ...]:
     return ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
+
+
+def attended_keys(shape: ModelShape) -> float:
+    """Keys a query sees, averaged over the sequence and the model's layers (each layer's flops_per_token is this
+    mean: their sum is exact): s/2 on a causal layer (the mask halves the s x s scores, as Megatron-LM counts); on
+    a sliding layer a query at position p = 1..s sees min(window, p) keys, so it keeps that share of the causal
+    (query, key) pairs: (w(w + 1)/2 + (s - w)w) of s(s + 1)/2."""
+    s, w = shape.seq_length, shape.sliding_window
+    sliding = shape.layer_types.count("sliding") if w is not None and w < s else 0
+    kept = (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2) if sliding else 1.0
+    return s / 2 * (shape.num_layers - sliding * (1 - kept)) / shape.num_layers

@@ -70,11 +70,12 @@ def test_every_preset_has_exactly_the_parameters_the_estimate_counts():
 def test_flops_per_token_is_megatrons_formula(preset):
     """models/gpt.py flops_per_token equals Megatron-LM's `num_floating_point_operations` (training/training.py,
     transformer_flops: dense and MoE MLPs, GQA attention with the causal half, the logits over the padded
-    vocabulary; 3 x forward), written out here independently."""
+    vocabulary; 3 x forward), written out here independently. Megatron's formula has no sliding window: the
+    windowed presets without it (the window's count: the test below)."""
     from models.gpt import flops_per_token
     from models.shape import ModelShape
 
-    m = compose([f"model={preset}"]).model
+    m = compose([f"model={preset}", "model.sliding_window=null", "model.layer_types=null"]).model
     shape = ModelShape.of(m, m.vocab_size or 257)
     h, s, L, V = m.hidden_size, m.seq_length, m.num_layers, shape.padded_vocab(1)
     heads = m.num_attention_heads
@@ -91,6 +92,30 @@ def test_flops_per_token_is_megatrons_formula(preset):
     if preset == "llama3_8b":  # and the closed form of older Megatron-LMs, for a dense model
         older = 12 * s * L * h * h * ((1 + groups / heads + s / h / 2) * (q / h) + ffn / h * 1.5 + V / (2 * L * h))
         assert flops_per_token(shape) * s == pytest.approx(older, rel=1e-12)
+
+
+@pytest.mark.fast
+def test_flops_count_min_window_position_keys_on_sliding_layers():
+    """On a sliding layer the query at position p (1..s) sees min(window, p) keys, not p: a 2-layer model (sliding,
+    full) with s = 8, window 3 keeps 1 + 2 + 3 x 6 = 21 of the 36 causal (query, key) pairs on its sliding layer,
+    so its attention scores cost 21/36 of Megatron's s/2-keys count there; the full layer's are unchanged."""
+    from models.gpt import flops_per_token
+    from models.shape import ModelShape
+
+    s, w, h, heads, groups, ffn, V = 8, 3, 64, 4, 2, 96, 128
+    sizes = [f"model.seq_length={s}", f"model.hidden_size={h}", f"model.num_attention_heads={heads}",
+             f"model.num_query_groups={groups}", f"model.ffn_hidden_size={ffn}", "model.num_layers=2",
+             "model.kv_channels=null", "model.activation=swiglu", f"model.vocab_size={V}"]
+    windowed = ModelShape.of(compose([*sizes, f"model.sliding_window={w}", "model.layer_types=[sliding,full]"]).model)
+    kept = sum(1 for q in range(s) for k in range(s) if 0 <= q - k < w)  # counted, not from the formula
+    causal = sum(1 for q in range(s) for k in range(s) if 0 <= q - k)
+    assert (kept, causal) == (21, 36)
+    q, kv = h, h // heads * groups
+    layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * ffn * 3  # projections and the gated MLP
+    scores = [2 * 2 * q * s / 2 * kept / causal, 2 * 2 * q * s / 2]  # sliding, full
+    assert flops_per_token(windowed) == pytest.approx(3 * (2 * layer + sum(scores) + 2 * h * V), rel=1e-12)
+    wide = ModelShape.of(compose([*sizes, f"model.sliding_window={s}", "model.layer_types=[sliding,full]"]).model)
+    assert flops_per_token(wide) == pytest.approx(3 * (2 * layer + 2 * scores[1] + 2 * h * V), rel=1e-12)
 
 
 def test_shape_resolves_every_default_once():
