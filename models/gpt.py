@@ -239,7 +239,7 @@ def from_hf(get, config: TransformerConfig, shape: ModelShape):
     rows = shape.padded_vocab(config.tensor_model_parallel_size)
     for ours, hf, block, vocab_rows in _hf_walk(shape, config):
         for name, tensor in block.from_hf(lambda n, hf=hf: get(hf + n), config).items():
-            if vocab_rows:  # [V, h] -> [V_padded, h], zero rows (their logits are masked anyway)
+            if vocab_rows and rows > tensor.shape[0]:  # [V, h] -> [V_padded, h], zero rows (logits masked anyway)
                 tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
             yield ours + name, tensor
 

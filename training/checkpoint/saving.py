@@ -44,9 +44,10 @@ def fmt(cfg: Config, path: Path | None = None):
 
 
 def save(cfg: Config, state: TrainState, iteration: int, consumed_samples: int, run_dir: str | Path | None = None,
-         train_samples: int | None = None, model_only: bool = False) -> Path | None:
+         train_samples: int | None = None, model_only: bool = False, strategy=None) -> Path | None:
     """Save a checkpoint and wait for it (every rank calls this); model_only: the weights alone (conversions),
-    which only checkpoint.finetune=true loads. Returns its path, or None when it failed under
+    which only checkpoint.finetune=true loads; strategy: Megatron-Core's save strategy to write the shards with
+    (torch_dist only: the streamed Hugging Face import's, training/interop/hf_stream.py). Returns its path, or None when it failed under
     checkpoint.on_save_error=warn. A rank that fails alone inside the save's collectives stops at once
     (agreement.write_shards)."""
     started = time.monotonic()
@@ -55,7 +56,8 @@ def save(cfg: Config, state: TrainState, iteration: int, consumed_samples: int, 
     if not failures:
         extra = {"iteration": iteration, "consumed_samples": consumed_samples}
         failures = agreement.agree(agreement.write_shards(
-            lambda: fmt(cfg).save(cfg, state, path, extra, model_only), path, latest_name(path.parent)))
+            lambda: fmt(cfg).save(cfg, state, path, extra, model_only, **({'strategy': strategy} if strategy else {})),
+            path, latest_name(path.parent)))
     if not failures:
         failures = complete(cfg, state, path, run_record(iteration, consumed_samples, run_dir, train_samples,
                                                          model_only))

@@ -87,16 +87,18 @@ def state_dict(cfg: Config, state: TrainState, is_loading: bool, with_rng: bool 
     return sharded
 
 
-def save(cfg: Config, state: TrainState, path: Path, extra: dict, model_only: bool, background: bool = False):
+def save(cfg: Config, state: TrainState, path: Path, extra: dict, model_only: bool, background: bool = False,
+         strategy=None):
     """Write this rank's shards into `path` (every rank calls it); extra: iteration, consumed_samples.
     model_only: the weights alone (conversions). background: plan the save (its collectives run now) and
     return Megatron-Core's AsyncRequest, which writes the shards and then, finalized on every rank, the
-    metadata (background.py schedules it)."""
+    metadata (background.py schedules it). strategy: a TorchDistSaveShardedStrategy writing the shards (default:
+    Megatron-Core's)."""
     sharded = state_dict(cfg, state, is_loading=False, with_rng=not model_only, model_only=model_only,
                          adapters_only=lora_base(cfg) is not None)  # a LoRA fine-tune: its base is on disk
     sharded.update(extra)
     upstream_fixes.results_queue_dies_with_the_rank()  # its helper processes die with this rank
-    return dist_checkpointing.save(sharded, str(path), verify_integrity=True, async_sharded_save=background,
+    return dist_checkpointing.save(sharded, str(path), strategy, verify_integrity=True, async_sharded_save=background,
                                    async_strategy=ASYNC_STRATEGY)
 
 

@@ -96,6 +96,8 @@ def build(cfg: Config, shape: ModelShape, device: torch.device, *, init: bool = 
     prepare(chunks) runs on the bare chunks before DDP / FSDP takes them (tests load weights there)."""
     config = bridge.transformer_config(cfg, shape)
     config.perform_initialization = init
+    if device.type == "meta":  # shapes only (a streamed conversion): no layer may pick a device of its own
+        config.use_cpu_initialization = True
     chunks = build_chunks(config, shape, cfg.parallel.vpp, device, make_model, cfg.train.seed,
                           adapt=lambda chunks, record: peft.adapt(cfg, chunks, record))
     if prepare is not None:

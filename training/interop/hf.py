@@ -31,7 +31,11 @@ FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 5e-2  # max |logit diff| / max |logit| (b
 
 class HFWeights:
     """The tensors of <dir>/model.safetensors or the shards named by model.safetensors.index.json, read on demand
-    (one tensor in memory at a time); remembers which were read."""
+    (one tensor in memory at a time, one shard open: the memory map of a shard read before is released, so a
+    streamed import holds at most one shard's pages); remembers which were read."""
+
+    DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
     def __init__(self, directory: Path):
         from safetensors import safe_open
@@ -40,49 +44,94 @@ class HFWeights:
         if index.is_file():
             files = json.loads(index.read_text())["weight_map"]
         elif (directory / "model.safetensors").is_file():
-            files = None
+            with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+                files = dict.fromkeys(handle.keys(), "model.safetensors")
         else:
             raise HFError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
-        names = sorted(set(files.values())) if files else ["model.safetensors"]
-        self.handles = {n: safe_open(str(directory / n), framework="pt") for n in names}
-        self.where = files or {k: "model.safetensors" for k in self.handles["model.safetensors"].keys()}
+        self.directory, self.where, self.open = directory, files, (None, None)
         self.read: set[str] = set()
+        if missing := sorted(f for f in set(files.values()) if not (directory / f).is_file()):
+            raise HFError(f"{directory}: shards named in model.safetensors.index.json are missing: {missing[:4]}")
         config = directory / "config.json"  # its family names fused tensors (Phi-3's qkv_proj, gate_up_proj)
         self.family = json.loads(config.read_text()).get("model_type") if config.is_file() else None
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
         if name not in self.where:
             raise HFError(f"the Hugging Face checkpoint has no tensor {name!r}")
+        file = self.where[name]
+        if self.open[0] != file:
+            self.open = (None, None)  # the previous shard's map goes first
+            self.open = (file, safe_open(str(self.directory / file), framework="pt"))
+        return self.open[1]
+
+    def __call__(self, name: str) -> torch.Tensor:
+        tensor = self._handle(name).get_tensor(name)
         self.read.add(name)
-        return self.handles[self.where[name]].get_tensor(name)
+        return tensor
+
+    def header(self, name: str, mark: bool = True) -> tuple[list[int], torch.dtype]:
+        """A tensor's shape and dtype from its shard's header (no data read)."""
+        view = self._handle(name).get_slice(name)
+        if mark:
+            self.read.add(name)
+        return view.get_shape(), self.DTYPES[view.get_dtype()]
+
+    def largest_shard(self) -> int:
+        """The size in bytes of the largest safetensors file."""
+        return max((self.directory / f).stat().st_size for f in set(self.where.values()))
+
+    def dtype(self) -> torch.dtype:
+        """The floating dtype of the checkpoint's weights (the first floating tensor's)."""
+        return next(d for d in (self.header(n, mark=False)[1] for n in sorted(self.where)) if d.is_floating_point)
 
     def unread(self, tied: bool) -> list[str]:
         return sorted(k for k in self.where if k not in self.read and not IGNORED_HF.match(k)
                       and not (tied and k == "lm_head.weight"))
 
 
-def write_safetensors(items, directory: Path, max_shard_bytes: int) -> int:
-    """Write (name, tensor) items as model.safetensors, or shards + index above max_shard_bytes; returns bytes."""
+def write_safetensors(items, directory: Path, max_shard_bytes: int, progress=None) -> int:
+    """Write (name, tensor) items as model.safetensors, or shards of at most max_shard_bytes (a larger tensor
+    alone) + model.safetensors.index.json, streaming: each shard is written when full, so memory holds one
+    shard. Shards are written under temporary names and renamed once all are written (nothing half-written looks
+    complete; the caller writes config.json last). progress(bytes so far) after each tensor. Returns bytes."""
     from safetensors.torch import save_file
 
-    shards, current, size, total = [], {}, 0, 0
-    for name, tensor in items:
-        tensor = tensor.detach().contiguous().clone()  # own storage (q/k/v and gate/up are views)
-        if current and size + tensor.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += tensor.nbytes
-        total += tensor.nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+    parts, current, size, total = [], {}, 0, 0
+
+    def flush():
+        part = directory / f".part-{len(parts) + 1:05d}.safetensors.tmp"
+        save_file(current, str(part), metadata={"format": "pt"})
+        parts.append((part, list(current)))
+
+    try:
+        for name, tensor in items:
+            tensor = tensor.detach().contiguous()
+            if tensor.untyped_storage().nbytes() != tensor.nbytes:  # a view (q/k/v, gate/up): its own storage
+                tensor = tensor.clone()
+            if current and size + tensor.nbytes > max_shard_bytes:
+                flush()
+                current, size = {}, 0
+            current[name] = tensor
+            size += tensor.nbytes
+            total += tensor.nbytes
+            if progress is not None:
+                progress(total)
+        flush()
+        current = {}
+    except BaseException:
+        for part, _ in parts:
+            part.unlink(missing_ok=True)
+        raise
+    if len(parts) == 1:
+        parts[0][0].rename(directory / "model.safetensors")
         return total
     weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
+    for i, (part, names) in enumerate(parts):
+        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        part.rename(directory / file)
+        weight_map.update(dict.fromkeys(names, file))
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return total

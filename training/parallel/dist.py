@@ -99,12 +99,16 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
     connectFullMesh "Connection refused" on a restart, with torchrun's static and standalone rendezvous
     alike). Under torchrun the elastic agent serves the store; otherwise rank 0 does. The same holds for a
     process that starts a second process group after tearing down its first (tests, tools running several
-    jobs): every start in a process gets its own prefix too."""
+    jobs): every start in a process gets its own prefix too. A world of one outside torchrun keeps its store in
+    memory (a port picked free can be taken before it is bound: EADDRINUSE under load)."""
     global _starts
     _starts += 1
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT"), world_size,
-                          is_master=rank == 0 and not agent, timeout=timeout, multi_tenant=not agent)
+    if world_size == 1 and not agent:  # one process (the tools, python train.py): no port to listen on or lose
+        store = dist.HashStore()
+    else:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT"), world_size,
+                              is_master=rank == 0 and not agent, timeout=timeout, multi_tenant=not agent)
     return dist.PrefixStore(f"/template/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_starts}", store)
 
 
