@@ -111,14 +111,15 @@ def _brief(value):
 def match_problems(run: dict, cfg: Config, shape: ModelShape, path: Path, weights_only: bool,
                    build_tokenizer) -> list[str]:
     """What refuses this load, one line each: another tokenizer (alone: it is also why a vocabulary would
-    differ), else the model's differing fields and a weights-only checkpoint loaded without checkpoint.finetune."""
+    differ), else the model's differing fields, a weights-only checkpoint loaded without checkpoint.finetune, LoRA
+    adapters the config's peft.* would not hold as trained, and an adapters-only checkpoint's base."""
     if problem := tokenizer_problem(run, cfg.data.tokenizer, path, build_tokenizer):
         return [problem]
     found = [model_problem(run, shape, cfg.model.name, path)]
     if not weights_only and run.get("weights_only"):
         found.append(f"checkpoint {path} holds weights only (an import or conversion): load it with "
                      f"checkpoint.finetune=true")
-    found.append(base_problem(run, cfg, path, weights_only))
+    found += [peft_problem(run, cfg, path), base_problem(run, cfg, path, weights_only)]
     return [problem for problem in found if problem is not None]
 
 
@@ -162,6 +163,37 @@ def lora_base(cfg: Config) -> dict | None:
         return None
     run = json.loads((path / RUN_FILE).read_text())
     return base_of(path, run) if weights_only else run.get("peft_base")
+
+
+def peft_settings(peft) -> dict:
+    """What shapes and scales a LoRA adapter (a config's peft or a run.json's), comparable."""
+    get = (lambda key, default: peft.get(key, default)) if isinstance(peft, dict) else \
+        (lambda key, default: getattr(peft, key))
+    method = str(get("method", "none"))
+    return {"method": method} if method == "none" else {"method": method, "rank": int(get("rank", 0)),
+                                                       "alpha": float(get("alpha", 0)),
+                                                       "targets": sorted(get("targets", []))}
+
+
+def peft_problem(run: dict, cfg: Config, path: Path) -> str | None:
+    """A checkpoint holding LoRA adapters, loaded by a run that would not hold them as trained: peft=none (they
+    would be dropped; an adapters-only checkpoint has no other weights), another rank or targets (their shapes),
+    another alpha (their scale): one line naming the checkpoint's settings and the overrides that load it."""
+    saved, ours = peft_settings(run.get("config", {}).get("peft", {})), peft_settings(cfg.peft)
+    if saved["method"] == "none" or saved == ours:
+        return None
+
+    def shown(value) -> str:
+        return f"[{','.join(value)}]" if isinstance(value, list) else f"{value:g}" if isinstance(value, float) \
+            else str(value)
+
+    differ = ", ".join(f"peft.{k}={shown(saved[k])} (this run: {shown(ours[k])})"  # peft=none: the method alone
+                       for k in ours if saved[k] != ours[k])
+    give = (f"peft={saved['method']} peft.rank={saved['rank']} peft.alpha={saved['alpha']:g} "
+            f"'peft.targets=[{','.join(saved['targets'])}]'")
+    merged = " (a full fine-tune of the merged weights: tools/convert_hf.py export --merge, then import)" \
+        if ours["method"] == "none" else ""
+    return f"checkpoint {path} holds LoRA adapters trained with {differ}: pass {give} to load them{merged}"
 
 
 def base_problem(run: dict, cfg: Config, path: Path, weights_only: bool) -> str | None:
