@@ -15,7 +15,8 @@ no communication (the same names, forward and checkpoint keys), so a block writt
 be split or replicated by the config alone.
 
 All three can carry a LoRA adapter (models/lora.py's Adaptable: `add_lora`, added after the model is built):
-their forward then adds scale * B A x, and their sharded state dict splits A and B as they are sharded.
+their forward then adds scale * B A x, and their sharded state dict splits A and B as they are sharded. A fused
+column linear may instead carry one adapter per part (models/lora_split.py: q, k, v; gate, up).
 """
 
 import torch
@@ -24,6 +25,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from models.lora import Adaptable
+from models.lora_split import sharded_axes, split_delta
 from models.tp_blocks import replicated
 
 
@@ -73,10 +75,13 @@ class ReplicatedLinear(Adaptable, MegatronModule):
 
 
 def _adapted(layer, input_, result):
-    """The base layer's (output, bias) plus the LoRA adapter's share, if the layer carries one."""
-    if not layer.has_lora:
-        return result
-    return result[0] + layer.lora_delta(input_), result[1]
+    """The base layer's (output, bias) plus the LoRA adapter's share, if the layer carries one (fused, or one per
+    part of a fused linear: models/lora_split.py)."""
+    if layer.has_lora:
+        return result[0] + layer.lora_delta(input_), result[1]
+    if getattr(layer, "lora_split", None) is not None:
+        return result[0] + split_delta(layer, input_), result[1]
+    return result
 
 
 class ColumnParallelLinear(Adaptable, tensor_parallel.ColumnParallelLinear):
@@ -95,8 +100,9 @@ class ColumnParallelLinear(Adaptable, tensor_parallel.ColumnParallelLinear):
         return _adapted(self, input_, _linear(input_, self.weight if weight is None else weight, self.bias,
                                               self.skip_bias_add))
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # W, b and B split on dim 0
-        return self.adapted_sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0})
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # W, b and B's split on dim 0
+        return self.adapted_sharded_state_dict(prefix, sharded_offsets, metadata,
+                                               {"weight": 0, "bias": 0, **sharded_axes(self)})
 
 
 class RowParallelLinear(Adaptable, tensor_parallel.RowParallelLinear):

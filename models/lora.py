@@ -6,7 +6,8 @@ The seam: models/linear.py's three linears (Column/RowParallelLinear, and the Re
 out of parallel.tp_blocks) are `Adaptable`; `add_adapters(module, targets, ...)` gives every such linear whose
 module name is a target (linear_qkv, linear_proj, linear_fc1, linear_fc2, or a custom block's own names) its
 `lora_a` / `lora_b` parameters, after the model is built. A block built from those linears gets LoRA without
-code of its own, and the base's parameter names and checkpoint keys do not change.
+code of its own, and the base's parameter names and checkpoint keys do not change. (Canonical LoRA, an adapter
+per part of a fused linear, q / k / v or gate / up: models/lora_split.py.)
 
 Design: torchtitan's components/lora.py converts linears in place after the model is built (no wrapper module,
 the same names) and leaves TP to DTensor; Megatron-Bridge's ParallelLinearAdapter wraps each linear in an
@@ -22,6 +23,14 @@ activation h = A x (the only tensor that crosses ranks):
     row base W [out, in/tp]:  A [r, in/tp] split like W, B [out, r] replicated.  h = A x_local is a partial
         sum: all-reduced (reduce-from-TP), or with SP reduce-scattered along the sequence (B's gradient then summed
         over TP by finalize_model_grads, sequence_parallel), then y = B h matches the base's output.
+
+An expert's linears (models/moe.py) take the same shards over the expert-TP group, but the token dispatcher does
+their communication (it gathers the tokens over expert TP before fc1 and sums fc2's partial outputs after): so
+x before a column adapter is already whole, and a row adapter's B h_partial is summed with the base's partial
+output. Nothing crosses ranks in forward; in backward the factor replicated over expert TP (a column's A, a
+row's B) gets its partial gradients summed over expert TP (copy-to-TP on the parameter: identity forward,
+all-reduce backward), while the input's gradient stays partial, as the dispatcher expects. The adapters carry
+the weight's `allreduce` marking (False for experts): DDP reduces them over the expert-data-parallel group.
 
 Each communication moves r features per token (the base moves h or out). Dropout on the adapter's input takes
 the default RNG stream where the input is the same on every TP rank, the tensor-parallel stream where each rank
@@ -65,10 +74,10 @@ class Adaptable:
         """Add A and B, sharded as this layer's weight is (module docstring). record(param, init) draws them
         later by checkpoint key (training/engine/init.py); without it they are initialised here."""
         kind, weight = self.lora_kind, self.weight
-        if weight is None or getattr(self, "explicit_expert_comm", False) or getattr(self, "gather_output", False) \
-                or not getattr(self, "input_is_parallel", True):
-            raise ValueError(f"{type(self).__name__}: LoRA is for a linear with its own weight, not an expert's, "
+        if weight is None or getattr(self, "gather_output", False) or not getattr(self, "input_is_parallel", True):
+            raise ValueError(f"{type(self).__name__}: LoRA is for a linear with its own weight, "
                              f"gather_output=False / input_is_parallel=True")
+        expert = getattr(self, "explicit_expert_comm", False)  # the token dispatcher does its TP communication
         tp = self.tp_group.size() if kind != "whole" else 1
         out = self.output_size // tp if kind == "column" else self.output_size
         inp = self.input_size // tp if kind == "row" else self.input_size
@@ -79,10 +88,10 @@ class Adaptable:
                                                                  getattr(weight, "partition_stride", 1))
         elif kind == "row":  # A split on the input dim, as W
             tensor_parallel.set_tensor_model_parallel_attributes(self.lora_a, True, 1, 1)
-        if kind != "whole" and self.sequence_parallel:  # summed over TP by finalize_model_grads
+        if kind != "whole" and self.sequence_parallel and not expert:  # summed over TP by finalize_model_grads
             (self.lora_a if kind == "column" else self.lora_b).sequence_parallel = True
         for param, method in ((self.lora_a, init_a), (self.lora_b, init_b)):
-            param.allreduce = True  # a dense (not expert) parameter to DDP
+            param.allreduce = getattr(weight, "allreduce", True)  # an expert's (False): reduced over expert DP
             if record is not None:
                 record(param, method)
             else:
@@ -92,14 +101,20 @@ class Adaptable:
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """scale * B A dropout(x), shaped as this layer's output. x: the layer's input."""
-        kind, sp = self.lora_kind, self.lora_kind != "whole" and self.sequence_parallel
+        kind, expert = self.lora_kind, getattr(self, "explicit_expert_comm", False)
+        sp = kind != "whole" and self.sequence_parallel and not expert
         if self.lora_dropout and self.training:
             own_piece = kind == "row" or (kind == "column" and sp)  # each TP rank holds its own part of x
-            if own_piece:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
+            if own_piece:  # an expert's: the expert-parallel stream (distinct over EP and expert TP)
+                stream = [tensor_parallel.get_expert_parallel_rng_tracker_name()] if expert else []
+                with tensor_parallel.get_cuda_rng_tracker().fork(*stream):
                     x = F.dropout(x, self.lora_dropout)
             else:
                 x = F.dropout(x, self.lora_dropout)
+        if expert:  # h not communicated; the factor replicated over expert TP: its gradient summed (docstring)
+            a, b, copy = self.lora_a, self.lora_b, tensor_parallel.copy_to_tensor_model_parallel_region
+            a, b = (copy(a, group=self.tp_group), b) if kind == "column" else (a, copy(b, group=self.tp_group))
+            return F.linear(F.linear(x, a) * self.lora_scale, b)  # [tokens, r] -> [tokens, out(/etp)]
         h = F.linear(x, self.lora_a) * self.lora_scale  # [s(/tp), b, r]; row: a partial sum over TP
         if kind == "column":
             h = (tensor_parallel.gather_from_sequence_parallel_region(h, group=self.tp_group) if sp

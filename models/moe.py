@@ -1,8 +1,9 @@
 """Mixture-of-experts MLP: Megatron-Core's MoELayer, a block like any other (models/spec.py: "moe").
 
     router (TopKRouter, [E, h], replicated) -> token dispatcher (alltoall over the expert-parallel group, or
-    allgather) -> this rank's E/ep experts (SequentialMLP of ColumnParallelLinear / RowParallelLinear over the
-    expert-tensor-parallel group; TE's TEGroupedMLP with model.moe.grouped_gemm) -> combine (+ shared expert)
+    allgather) -> this rank's E/ep experts (SequentialMLP of models/linear.py's ColumnParallelLinear /
+    RowParallelLinear over the expert-tensor-parallel group, so LoRA can ride on them; TE's TEGroupedMLP with
+    model.moe.grouped_gemm) -> combine (+ shared expert)
 
 ModelShape puts "moe" in the MLP of the layers model.moe chooses (model.moe.first_dense, layer_freq); the
 rest keep model.mlp. Everything else is Megatron-Core's: expert parameters are marked allreduce=False, so
@@ -16,14 +17,18 @@ Megatron-Core's MoE layer needs sequence parallelism with TP > 1 and no linear b
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.activations import ActivationContext
 from models.extra_losses import Stat, record, record_mean
+from models.linear import ColumnParallelLinear, RowParallelLinear
 from models.shape import ModelShape, Split
 
 AUX_LOSS, Z_LOSS, IMBALANCE = "load_balancing_loss", "z_loss", "moe_load_imbalance"
@@ -71,10 +76,15 @@ class MoE(MoELayer):
     extra_losses = (AUX_LOSS, Z_LOSS)  # recorded by Router when their coefficients are set
 
     def __init__(self, config: TransformerConfig, layer_number: int | None = None):
-        grouped = config.moe_grouped_gemm  # TEGroupedMLP; else SequentialMLP over Megatron-Core's layers
+        grouped = config.moe_grouped_gemm  # TEGroupedMLP; else SequentialMLP over our linears (adaptable)
         spec = get_moe_module_spec(use_te=grouped, num_experts=config.num_moe_experts, moe_grouped_gemm=grouped)
         parts = spec.keywords["submodules"]
-        submodules = MoESubmodules(experts=parts.experts, shared_experts=parts.shared_experts, router=Router)
+        experts = parts.experts
+        if not grouped:  # Megatron-Core's linears' subclasses: the same weights and keys, plus LoRA (models/lora.py)
+            mlp = experts.keywords["submodules"]
+            experts = partial(experts.func, submodules=MLPSubmodules(ColumnParallelLinear, RowParallelLinear,
+                                                                     mlp.activation_func))
+        submodules = MoESubmodules(experts=experts, shared_experts=parts.shared_experts, router=Router)
         super().__init__(config, submodules=submodules, layer_number=layer_number)
         self.set_layer_number(layer_number)  # the router's too (its statistics are per layer)
 

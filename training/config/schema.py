@@ -169,7 +169,9 @@ class PeftConfig:
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (HF PEFT's lora_alpha; 2r is common)
     dropout: float = 0.0  # dropout on the adapter's input (HF PEFT's lora_dropout); 0: deterministic adapters
     targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-    # ^ the linears that get an adapter, by module name (a custom block's own names too): all of a layer's
+    # ^ the linears that get an adapter, by module name (a custom block's own names too): all of a layer's;
+    # canonical LoRA (models/lora_split.py: an A and a B per part, PEFT's layout): linear_q, linear_k, linear_v
+    # in place of linear_qkv, linear_fc1_gate, linear_fc1_up in place of linear_fc1
     trainable: list[str] = field(default_factory=list)  # other parameters that train, as fnmatch patterns on
     # parameter names (e.g. '*layernorm*'); []: only the adapters
 

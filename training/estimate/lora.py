@@ -16,8 +16,10 @@ gathered to the full sequence; a row adapter's h is reduce-scattered along it un
 blocks' declarations already count (the linear's input, which a trained base saves too). With peft.dropout > 0,
 the dropped copy of x and its bool mask (1 byte an element) per adapted linear.
 
-Not counted: peft.trainable's parameters (counted frozen); the inputs a frozen, unadapted linear no longer keeps
-(an overestimate when peft.targets leaves linears out); the linears of a custom block not in linears() below.
+Not counted: peft.trainable's parameters (counted frozen); the routed experts' adapters' activations (their
+parameters are: E/ep experts a GPU, each's A and B sharded over expert TP as above); the inputs a frozen,
+unadapted linear no longer keeps (an overestimate when peft.targets leaves linears out); the linears of a custom
+block not in linears() below.
 """
 
 from __future__ import annotations
@@ -32,17 +34,24 @@ def linears(shape: ModelShape) -> dict[str, dict[str, tuple[int, int, str]]]:
     sizes: models/attention.py's fused QKV and output projection, models/mlp.py's fc1 (gate|up when gated) and
     fc2, models/gated_mlp.py's gate, up and down."""
     h, q, kv, ffn = shape.hidden_size, shape.q_width, shape.kv_width, shape.ffn_hidden_size
-    return {"SelfAttention": {"linear_qkv": (h, q + 2 * kv, "column"), "linear_proj": (q, h, "row")},
-            "MLP": {"linear_fc1": (h, 2 * ffn if shape.gated else ffn, "column"), "linear_fc2": (ffn, h, "row")},
-            "GatedMLP": {"gate": (h, ffn, "column"), "up": (h, ffn, "column"), "down": (ffn, h, "row")}}
+    return {"SelfAttention": {"linear_qkv": (h, q + 2 * kv, "column"), "linear_proj": (q, h, "row"),
+                              # canonical LoRA (models/lora_split.py): an adapter per part of the fused QKV / fc1
+                              "linear_q": (h, q, "column"), "linear_k": (h, kv, "column"),
+                              "linear_v": (h, kv, "column")},
+            "MLP": {"linear_fc1": (h, 2 * ffn if shape.gated else ffn, "column"), "linear_fc2": (ffn, h, "row"),
+                    "linear_fc1_gate": (h, ffn, "column"), "linear_fc1_up": (h, ffn, "column")},
+            "GatedMLP": {"gate": (h, ffn, "column"), "up": (h, ffn, "column"), "down": (ffn, h, "row")},
+            "MoE": {"linear_fc1": (h, (2 if shape.gated else 1) * (shape.moe_ffn_hidden_size or 0), "column"),
+                    "linear_fc2": (shape.moe_ffn_hidden_size or 0, h, "row")}}  # each routed expert's
 
 
 def enabled(cfg) -> bool:
     return str(cfg.peft.method) == "lora"
 
 
-def _adapted(cfg, shape: ModelShape, split: Split, numbers: list[int]):
-    """(kind, tp, in, out) of every adapted linear on one GPU holding layers `numbers`."""
+def _adapted(cfg, shape: ModelShape, split: Split, numbers: list[int], experts: bool = False):
+    """(kind, tp, in, out) of every adapted linear on one GPU holding layers `numbers`; experts=True: the
+    routed experts' too, one per expert on this GPU (E/ep of them, split over etp)."""
     from models.spec import layer_spec
 
     table, targets = linears(shape), set(cfg.peft.targets)
@@ -50,9 +59,11 @@ def _adapted(cfg, shape: ModelShape, split: Split, numbers: list[int]):
         for name, block in layer_spec(shape, n).items():
             if name not in KIND or block is None:
                 continue
+            moe = block.__name__ == "MoE"
             for linear, (inp, out, kind) in table.get(block.__name__, {}).items():
-                if linear in targets:
-                    yield kind, split.of(KIND[name]).tp, inp, out
+                if linear in targets and (experts or not moe):
+                    for _ in range(shape.num_experts // split.ep if moe else 1):
+                        yield kind, split.etp if moe else split.of(KIND[name]).tp, inp, out
 
 
 def stage_layers(shape: ModelShape, lay, stage: int) -> list[int]:
@@ -66,7 +77,7 @@ def adapter_params(cfg, shape: ModelShape, lay, stage: int, split: Split) -> int
     if not enabled(cfg):
         return 0
     r, total = cfg.peft.rank, 0
-    for kind, tp, inp, out in _adapted(cfg, shape, split, stage_layers(shape, lay, stage)):
+    for kind, tp, inp, out in _adapted(cfg, shape, split, stage_layers(shape, lay, stage), experts=True):
         total += r * inp + r * out // tp if kind == "column" else r * inp // tp + r * out
     return total
 

@@ -9,7 +9,8 @@ Our adapter on the fused QKV is one A [r, h] shared by q, k and v, and one B ove
 LoRA on each of q_proj, k_proj and v_proj. The same function exactly: q's LoRA is A with B's q rows, k's A with
 B's k rows, v's A with B's v rows (B's rows split as attention's own weight is: models/attention.py to_hf), since
 scale * B A x restricted to q's rows is scale * B_q A x. The same for fc1's gate|up (gate_proj, up_proj: B's two
-halves) under SwiGLU. A PEFT adapter trained elsewhere, with three different A's, has no such fused form.
+halves) under SwiGLU. Canonical LoRA (models/lora_split.py: peft.targets linear_q, linear_k, linear_v,
+linear_fc1_gate, linear_fc1_up) has PEFT's own layout, an A and a B per projection: each is written as it is.
 """
 
 from __future__ import annotations
@@ -22,18 +23,23 @@ import torch
 
 from models.layer import hf_names
 from models.lora import Adaptable
+from models.lora_split import merged_delta, parts
 from training.interop.hf_config import HFError
+from training.parallel.peft import SPLIT
 from training.parallel.wrap import unwrap
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # our adapted linear -> the HF projections it stands for (the fused ones: several, sharing A)
 PROJECTIONS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+# a canonical (per-part) adapter's target -> its HF projection: linear_q -> q_proj, ..., linear_fc1_up -> up_proj
+PART_PROJECTION = {part: proj for linear, split in SPLIT.items() for part, proj in zip(split, PROJECTIONS[linear])}
 
 
 def adapted(state) -> list[tuple[str, Adaptable]]:
-    """(name, linear) for every linear of the single-process model that carries an adapter."""
-    return [(n, m) for n, m in unwrap(state.model[0]).named_modules() if isinstance(m, Adaptable) and m.has_lora]
+    """(name, linear) for every linear of the single-process model that carries an adapter (fused or per part)."""
+    return [(n, m) for n, m in unwrap(state.model[0]).named_modules()
+            if isinstance(m, Adaptable) and (m.has_lora or parts(m))]
 
 
 def _split_b(linear: str, b: torch.Tensor, config) -> list[torch.Tensor]:
@@ -54,12 +60,20 @@ def adapter_tensors(state) -> dict[str, torch.Tensor]:
     gpt, out = unwrap(state.model[0]), {}
     names = hf_names(state.shape)
     for name, module in adapted(state):
+        if ".local_experts." in name:  # transformers >= 5 holds a MoE's experts fused, not as linears PEFT adapts
+            raise HFError(f"{name}: an expert's adapter has no PEFT export here (transformers keeps the experts fused "
+                          f"in one tensor, which PEFT adapts only by target_parameters): export --merge")
         found = re.fullmatch(r"decoder\.layers\.(\d+)\.(\w+)\.(\w+)", name)
         if found is None or found[2] not in names or found[3] not in PROJECTIONS:
             raise HFError(f"{name}: its adapter has no Hugging Face PEFT name (a layer's self_attention / mlp "
                           f"linears only: {sorted(PROJECTIONS)})")
         layer, block, linear = found.groups()
         prefix = f"base_model.model.model.layers.{layer}.{names[block]}."
+        for part, adapter in parts(module):  # canonical: PEFT's own A and B per projection
+            out[f"{prefix}{PART_PROJECTION[part]}.lora_A.weight"] = adapter.lora_a.detach().clone().contiguous()
+            out[f"{prefix}{PART_PROJECTION[part]}.lora_B.weight"] = adapter.lora_b.detach().clone().contiguous()
+        if not module.has_lora:
+            continue
         for proj, b in zip(PROJECTIONS[linear], _split_b(linear, module.lora_b.detach(), gpt.config), strict=True):
             out[f"{prefix}{proj}.lora_A.weight"] = module.lora_a.detach().clone().contiguous()
             out[f"{prefix}{proj}.lora_B.weight"] = b.clone().contiguous()
@@ -88,18 +102,21 @@ def merge(state):
     """W += (alpha / r) B A in every adapted linear (computed in fp32), B zeroed (the forward is the same up to
     rounding); returns a function that restores W and B exactly (export --merge --check compares the written
     merged model with the model as it was trained, not with itself)."""
-    saved = [(m, m.weight.detach().clone(), m.lora_b.detach().clone()) for _, m in adapted(state)]
+    bs = lambda m: [m.lora_b] if m.has_lora else [a.lora_b for _, a in parts(m)]  # noqa: E731
+    saved = [(m, m.weight.detach().clone(), [b.detach().clone() for b in bs(m)]) for _, m in adapted(state)]
     with torch.no_grad():
-        for m, _, _ in saved:
-            delta = m.lora_scale * (m.lora_b.float() @ m.lora_a.float())
+        for m, _, _ in saved:  # canonical: each part's B_i A_i on its rows of the fused weight
+            delta = m.lora_scale * (m.lora_b.float() @ m.lora_a.float()) if m.has_lora else merged_delta(m)
             m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
-            m.lora_b.zero_()
+            for b in bs(m):
+                b.zero_()
 
     def restore() -> None:
         with torch.no_grad():
-            for m, weight, b in saved:
+            for m, weight, b_saved in saved:
                 m.weight.copy_(weight)
-                m.lora_b.copy_(b)
+                for b, value in zip(bs(m), b_saved):
+                    b.copy_(value)
 
     return restore
 

@@ -3,10 +3,11 @@ import --adapter DIR --base CKPT --out OUT): written as our adapters-only checkp
 continues from it (checkpoint.load=OUT checkpoint.finetune=true) or tools/generate.py runs it.
 
 The inverse of training/interop/peft_export.py's mapping: q_proj / k_proj / v_proj's B rows interleaved back
-into the fused QKV's rows (attention's own layout), gate_proj / up_proj's B stacked as fc1's gate|up. Our fused
-linear has one A; PEFT's three (two) projections have their own, so an adapter loads only where they are
-equal (as our export writes them); a PEFT adapter with different A's is refused (separate q/k/v adapters,
-Megatron-Bridge's "canonical LoRA", are not built here).
+into the fused QKV's rows (attention's own layout), gate_proj / up_proj's B stacked as fc1's gate|up, where the
+projections' A's are equal (as our export of the fused form writes them: one A). Where they differ (an adapter
+trained elsewhere), or only some of a fused linear's projections are adapted (PEFT's q_proj + v_proj), or
+the override peft.targets names the parts, the adapter imports as canonical LoRA (models/lora_split.py: an A
+and a B per projection, targets linear_q / linear_k / linear_v, linear_fc1_gate / linear_fc1_up), exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from models.layer import hf_names
 from training.interop.hf_config import HFError
-from training.interop.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROJECTIONS, adapted
+from models.lora_split import parts
+from training.interop.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PART_PROJECTION, PROJECTIONS, adapted
+from training.parallel.peft import SPLIT
 from training.parallel.wrap import unwrap
 
 # adapter_config.json keys whose non-default values change the adapter's function (we would load it wrong)
@@ -42,27 +45,48 @@ def read_config(adapter_dir: Path) -> dict:
     return config
 
 
-def targets(projections: set[str]) -> list[str]:
-    """Our peft.targets for PEFT's target projections; a fused linear needs all of its projections."""
-    out = []
-    for linear, projs in PROJECTIONS.items():
-        present = [p for p in projs if p in projections]
-        if present and len(present) != len(projs):
-            raise HFError(f"the adapter targets {present} but not {sorted(set(projs) - set(present))}: our {linear} "
-                          f"is one fused linear with one adapter (adapt all of {list(projs)} or none)")
-        out += [linear] if present else []
+def _a_differ(tensors: dict[str, torch.Tensor], projs: list[str]) -> bool:
+    """Whether any layer's lora_A of these projections differ (one fused A cannot hold them)."""
+    by_layer: dict[str, list[torch.Tensor]] = {}
+    for key, value in tensors.items():
+        head, _, proj = key.removesuffix(".lora_A.weight").rpartition(".")
+        if key.endswith(".lora_A.weight") and proj in projs:
+            by_layer.setdefault(head, []).append(value)
+    return any(not torch.equal(a[0], other) for a in by_layer.values() for other in a[1:])
+
+
+def targets(tensors: dict[str, torch.Tensor], wanted: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """Our peft.targets for PEFT's tensors, and why each fused linear took its form: fused (one A) where its
+    projections' A's are equal, canonical (an A per projection) where they differ, where only some projections
+    are adapted, or where `wanted` (the override peft.targets) names the parts."""
+    projections, out, why = {key.split(".")[-3] for key in tensors}, [], []
     if unknown := sorted(projections - {p for projs in PROJECTIONS.values() for p in projs}):
         raise HFError(f"the adapter targets {unknown}, which have no adapter here (ours: {sorted(PROJECTIONS)})")
-    return out
+    for linear, projs in PROJECTIONS.items():
+        present = [p for p in projs if p in projections]
+        if not present or linear not in SPLIT:
+            out += [linear] if present else []
+            continue
+        named = [part for part, proj in zip(SPLIT[linear], projs) if proj in present]
+        reason = ("only " + ", ".join(present) + " adapted" if len(present) < len(projs) else
+                  "lora_A of " + ", ".join(present) + " differ" if _a_differ(tensors, present) else
+                  "peft.targets names them" if wanted and set(named) & set(wanted) else None)
+        out += named if reason else [linear]
+        why.append(f"{linear} as {named} ({reason})" if reason else f"{linear} fused ({', '.join(present)} share one "
+                                                                    f"lora_A)")
+    if wanted is not None and sorted(wanted) != sorted(out):
+        raise HFError(f"peft.targets={wanted} does not fit the adapter ({'; '.join(why)}): give {out} or leave "
+                      f"peft.targets out")
+    return out, why
 
 
-def fuse_b(linear: str, parts: list[torch.Tensor], config) -> torch.Tensor:
+def fuse_b(linear: str, pieces: list[torch.Tensor], config) -> torch.Tensor:
     """B's per-projection rows -> the fused linear's B (peft_export._split_b's inverse)."""
     if linear == "linear_qkv":
-        ng, hn = config.num_query_groups, config.kv_channels
-        q, k, v = (t.reshape(ng, -1, t.shape[-1]) for t in parts)
+        ng = config.num_query_groups
+        q, k, v = (t.reshape(ng, -1, t.shape[-1]) for t in pieces)
         return torch.cat([q, k, v], dim=1).flatten(0, 1)
-    return torch.cat(parts, dim=0)
+    return torch.cat(pieces, dim=0)
 
 
 def load_adapter(state, tensors: dict[str, torch.Tensor]) -> int:
@@ -72,25 +96,38 @@ def load_adapter(state, tensors: dict[str, torch.Tensor]) -> int:
     for name, module in adapted(state):
         layer, block, linear = re.fullmatch(r"decoder\.layers\.(\d+)\.(\w+)\.(\w+)", name).groups()
         prefix = f"base_model.model.model.layers.{layer}.{names[block]}."
+        if split := parts(module):  # canonical: each projection's A and B as they are
+            into = [(f"{name}.{part}", param, f"{prefix}{PART_PROJECTION[part]}.lora_{x}.weight")
+                    for part, adapter in split for x, param in (("A", adapter.lora_a), ("B", adapter.lora_b))]
+            count += _copy(tensors, into)
+            used |= {key for _, _, key in into}
+            continue
         keys = [(f"{prefix}{p}.lora_A.weight", f"{prefix}{p}.lora_B.weight") for p in PROJECTIONS[linear]]
         if missing := [k for pair in keys for k in pair if k not in tensors]:
             raise HFError(f"the adapter has no {missing[0]} (our {name} needs it)")
         a = [tensors[ka] for ka, _ in keys]
         if any(not torch.equal(a[0], other) for other in a[1:]):
             raise HFError(f"{prefix}{'/'.join(PROJECTIONS[linear])}: different lora_A matrices, which our fused "
-                          f"{linear} (one A) cannot hold; separate q/k/v and gate/up adapters are not built here")
+                          f"{linear} (one A) cannot hold: import it with peft.targets={list(SPLIT[linear])}")
         b = fuse_b(linear, [tensors[kb] for _, kb in keys], gpt.config)
-        for param, value in ((module.lora_a, a[0]), (module.lora_b, b)):
-            if tuple(param.shape) != tuple(value.shape):
-                raise HFError(f"{name}: the adapter's {tuple(value.shape)} does not fit {tuple(param.shape)} "
-                              f"(another base model, or another rank?)")
-            with torch.no_grad():
-                param.copy_(value)
-            count += value.numel()
+        count += _copy({"A": a[0], "B": b}, [(name, module.lora_a, "A"), (name, module.lora_b, "B")])
         used |= {k for pair in keys for k in pair}
     if unused := sorted(set(tensors) - used):
         raise HFError(f"adapter tensors with no place in the model: {unused[:4]}")
     return count
+
+
+def _copy(values: dict[str, torch.Tensor], into: list[tuple[str, torch.nn.Parameter, str]]) -> int:
+    """values[key] into each (our name, param, key); refused where missing or of another shape."""
+    for name, param, key in into:
+        if key not in values:
+            raise HFError(f"the adapter has no {key} (our {name} needs it)")
+        if tuple(param.shape) != tuple(values[key].shape):
+            raise HFError(f"{name}: the adapter's {tuple(values[key].shape)} does not fit {tuple(param.shape)} "
+                          f"(another base model, or another rank?)")
+        with torch.no_grad():
+            param.copy_(values[key])
+    return sum(param.numel() for _, param, _ in into)
 
 
 def import_adapter(args, overrides: list[str]) -> bool:
@@ -105,9 +142,10 @@ def import_adapter(args, overrides: list[str]) -> bool:
     from training.errors import TemplateError
     from training.parallel import dist as D
 
-    if overrides or args.hf_dir:
-        raise TemplateError(f"import --adapter takes no --hf-dir or overrides (the base checkpoint's run.json "
-                            f"defines the model): {[*overrides, *(['--hf-dir'] if args.hf_dir else [])]}")
+    wanted = [o for o in overrides if o.startswith("peft.targets=")]  # canonical on demand (targets())
+    if len(wanted) != len(overrides) or len(wanted) > 1 or args.hf_dir:
+        raise TemplateError(f"import --adapter takes no --hf-dir or overrides but peft.targets (the base checkpoint's "
+                            f"run.json defines the model): {[*overrides, *(['--hf-dir'] if args.hf_dir else [])]}")
     if not args.base:
         raise TemplateError("import --adapter needs --base CKPT: the checkpoint convert_hf import wrote for the "
                             "adapter's base model")
@@ -121,7 +159,8 @@ def import_adapter(args, overrides: list[str]) -> bool:
     cfg.parallel = ParallelConfig(timeout_minutes=cfg.parallel.timeout_minutes)
     cfg.peft.method, cfg.peft.rank, cfg.peft.alpha = "lora", int(config["r"]), float(config["lora_alpha"])
     cfg.peft.dropout, cfg.peft.trainable = float(config.get("lora_dropout") or 0.0), []
-    cfg.peft.targets = targets({key.split(".")[-3] for key in tensors})
+    names = [t.strip(" '\"") for t in wanted[0].split("=", 1)[1].strip("[]").split(",")] if wanted else None
+    cfg.peft.targets, why = targets(tensors, names)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise TemplateError(f"--out {out} is not empty: choose a new directory (nothing is overwritten)")
@@ -131,8 +170,10 @@ def import_adapter(args, overrides: list[str]) -> bool:
         checkpoint.maybe_load(cfg, state)  # the base's weights (the adapters are set below)
         count = load_adapter(state, tensors)
         checkpoint.save(cfg, state, iteration=0, consumed_samples=0, model_only=True)
+    form = "; ".join(why) or "no q/k/v or gate/up projections"  # fused or canonical, and why
     print(f"imported the PEFT adapter {adapter_dir} ({count / 1e3:.1f}K adapter parameters, r={cfg.peft.rank}, "
-          f"alpha={cfg.peft.alpha:g}, targets {list(cfg.peft.targets)}) on {base}: {out}\ncontinue training with: "
+          f"alpha={cfg.peft.alpha:g}, targets {list(cfg.peft.targets)}: {form}) on {base}: {out}\n"
+          f"continue training with: "
           f"peft=lora peft.rank={cfg.peft.rank} peft.alpha={cfg.peft.alpha:g} "
           f"'peft.targets=[{','.join(cfg.peft.targets)}]' checkpoint.load={out} checkpoint.finetune=true", flush=True)
     return True
