@@ -4,6 +4,7 @@ convert_hf.py's main() run in-process, the --check line's number, and a checkpoi
     ARCH, VOCAB, TOLERANCE              the random HF Llama's config.json fields; the logits tolerance
     convert_main(convert_hf, argv)      (exit code, stdout, stderr) of tools/convert_hf.py main(argv)
     relative_diff(output)               the relative logits difference printed by --check
+    meta_parameter_count(cls, config)   transformers' parameter count for a published config.json (meta device)
     logits_at_layouts(jobs, tokens)     run_distributed worker: each checkpoint's gathered logits at a layout
 """
 
@@ -57,6 +58,17 @@ def greedy_at_tp2(root: str, names) -> dict:
         parallel_state.destroy_model_parallel()
     D.teardown()
     return out
+
+
+def meta_parameter_count(config_class: str, published: dict) -> int:
+    """The parameter count of transformers' model for a published config.json (class name config_class), built on
+    the meta device (tied: the embedding once)."""
+    import transformers
+
+    config = getattr(transformers, config_class)(**published)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def logits_at_layouts(jobs: list[tuple[str, str, str, list[str]]], tokens: torch.Tensor) -> dict:
