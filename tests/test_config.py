@@ -53,7 +53,7 @@ INVALID = {
     "comma-value": (["data.split=98,2,0"], 1, "data.split=98,2,0: a value with commas needs quotes (text, as "
                                               "data.split: \"data.split='98,2,0'\") or brackets"),
     "unknown-group-option": (["model=lama"], 1, "model=lama: no such config in conf/model/ (did you mean llama_1b? "
-                                                "choose from gemma3_12b, gemma3_1b,"),
+                                                "choose from gemma2_27b, gemma2_2b,"),
     "unknown-key": (["model.num_experts=8"], 1,
                     "unknown key 'model.num_experts' (did you mean model.moe.num_experts?)"),
     "integer-field": (["train.iters=ten"], 1,
