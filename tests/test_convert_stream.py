@@ -4,6 +4,7 @@ loads at tp2 and pp2 with transformers' logits; and the peak resident memory of 
 with the largest shard and tensor, not with the model (a model 10x the bound's slack stays under it)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,16 @@ from harness import run_distributed
 from hf_interop import ARCH, ROOT, VOCAB, convert_main, logits_at_layouts
 
 sys.path.insert(0, str(ROOT / "tools"))
+
+
+@pytest.fixture(autouse=True)
+def _environment():
+    """convert_hf runs in this process here and sets RANK / WORLD_SIZE (a world of one): restore the environment,
+    else every later test's tool would think it runs under torchrun with one process."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _hf_llama(path: Path, shard: str, **arch) -> None:
