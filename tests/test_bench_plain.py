@@ -54,6 +54,7 @@ def _ours_and_plain(steps: int, others: list[str]) -> dict:
         for _ in range(steps):
             r = train_step(ours, streams(), derived, cfg, info.device)
             out["ours"].append((r.loss, r.grad_norm, ours.optimizer.param_groups[0]["lr"]))
+            out.setdefault("ours_used_lr", []).append(r.lr)  # what the log reports for this iteration
             for name, side in sides.items():
                 lr = side.optimizer.param_groups[0]["lr"]  # the lr this step used (the scheduler steps after it)
                 out[name].append((*bench_hf.hf_train_step(side, micro), lr))
@@ -83,6 +84,8 @@ def _same_steps(r: dict, other: str) -> None:
         assert norm == pytest.approx(ref_norm, rel=RTOL), (step, r["ours"], r[other])
     # lr of the step before the scheduler stepped it: ours reads it after, so ours[k] is other[k + 1]
     assert [lr for *_, lr in r["ours"][:-1]] == pytest.approx([lr for *_, lr in r[other][1:]], rel=1e-12)
+    # the logged lr (StepResult.lr) is the one the update used: the reference's at the same step (0 at the first)
+    assert r["ours_used_lr"] == pytest.approx([lr for *_, lr in r[other]], rel=1e-12)
     assert r[other][0][2] == 0.0 and r[other][2][2] > 0  # warmup starts at 0, as Megatron-Core's scheduler does
     assert len({loss for loss, *_ in r["ours"]}) == 3, "steps 2-4 must see updated weights (step 1 has lr 0)"
     # Adam divides each gradient element by its own RMS: with eps 1e-8 an element whose gradient is tiny keeps

@@ -119,12 +119,12 @@ class Throughput:
         self.steps, self.loss_tokens = self.steps + 1, self.loss_tokens + loss_tokens
 
     def record(self, iteration: int, result, state, consumed: int, skipped: int, restarts: int) -> TrainRecord:
-        """This window's record (step.StepResult's loss, grad norm and extras; the scheduler's lr); restarts
-        the window."""
+        """This window's record (step.StepResult's loss, grad norm, extras and the lr its update used; a skipped
+        step: the scheduler's); restarts the window."""
         elapsed = time.perf_counter() - self.start
         tflops = self.flops_per_step * self.steps / elapsed / self.world / 1e12
         record = TrainRecord(
-            iteration=iteration, loss=result.loss, lr=state.scheduler.get_lr(state.optimizer.param_groups[0]),
+            iteration=iteration, loss=result.loss, lr=result.lr if result.lr is not None else state.scheduler.get_lr(state.optimizer.param_groups[0]),
             grad_norm=result.grad_norm, tokens_per_s=self.tokens_per_step * self.steps / elapsed,
             answer_tokens_per_s=self.loss_tokens / elapsed if self.answers else None,
             tflops_per_gpu=tflops, mfu=None if self.peak is None else tflops / self.peak,

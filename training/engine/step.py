@@ -46,6 +46,7 @@ class StepResult:
     skipped: bool  # no update (train.nan_policy=skip and a non-finite loss)
     extra: dict[str, float | None] = field(default_factory=dict)  # the named extra losses, global means
     loss_tokens: int = 0  # the global batch's loss tokens (with data.format=sft: the answers' tokens)
+    lr: float | None = None  # the learning rate this step's update used (the scheduler then moves to the next)
 
 
 def forward_step(data_iterator, model):
@@ -115,9 +116,10 @@ def train_step(state: TrainState, streams, layout: Layout, cfg: Config, device: 
             raise NonFiniteLoss(f"{problem} at this step: stopping (train.nan_policy=stop) before the update; the "
                                 f"last checkpoint is intact. Lower optim.lr or set train.nan_policy=skip")
         return StepResult(loss, None, True, extra, tokens)  # skip: no update anywhere, gradients are zeroed next step
+    lr = state.optimizer.param_groups[0]["lr"]  # what this update uses (Megatron-Core's warmup: 0 at the first)
     _, grad_norm, _ = state.optimizer.step()
     state.scheduler.step(increment=1)
-    return StepResult(loss, None if grad_norm is None else float(grad_norm), False, extra, tokens)
+    return StepResult(loss, None if grad_norm is None else float(grad_norm), False, extra, tokens, lr)
 
 
 def evaluate(state: TrainState, make_streams, layout: Layout, cfg: Config, device: torch.device) -> float:
