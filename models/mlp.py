@@ -1,5 +1,7 @@
 """MLP: ColumnParallelLinear (h -> ffn/tp, or 2*ffn/tp gate|up when gated) -> act -> RowParallelLinear.
-Activations (model.activation): gelu; swiglu, SiLU(gate) * up; geglu_tanh, GeLU-tanh(gate) * up (Gemma).
+Activations (model.activation): gelu; swiglu, SiLU(gate) * up; geglu_tanh, GeLU-tanh(gate) * up (Gemma);
+clamped_swiglu, gpt-oss's g * sigmoid(1.702 g) * (u + 1) with g = min(gate, limit), u = clamp(up, -limit, limit)
+(Megatron-Core's quick_gelu, glu_linear_offset and activation_func_clamp_value, as its experts' MLP computes it).
 
 Weight layout (SwiGLU): the full fc1 weight is [gate; up] ([2*ffn, h]). `stride=2` makes each TP rank
 hold [gate_r; up_r], so the local output splits into the rank's gate and up halves.
@@ -67,6 +69,9 @@ class MLP(MegatronModule):
             x = bias_swiglu_impl(x, None)  # [s, b, 2*ffn/tp] -> [s, b, ffn/tp]: MCore's compiled SwiGLU
         elif self.gated and self.activation is F.silu:
             x = SwiGLU.apply(x)  # [s, b, 2*ffn/tp] -> [s, b, ffn/tp]
+        elif self.gated and (limit := self.config.activation_func_clamp_value) is not None:  # clamped SwiGLU
+            gate, up = torch.chunk(x, 2, dim=-1)  # 2 x [s, b, ffn/tp]
+            x = self.activation(gate.clamp(max=limit)) * (up.clamp(-limit, limit) + self.config.glu_linear_offset)
         elif self.gated:  # GeGLU (the activation is F.gelu(approximate="tanh"), training/engine/bridge.py)
             gate, up = torch.chunk(x, 2, dim=-1)  # 2 x [s, b, ffn/tp]
             x = self.activation(gate) * up
@@ -103,9 +108,10 @@ class MLP(MegatronModule):
         """fc1's input [s(/tp), b, h] and ffn/tp-wide tensors: GELU's input and output (fc2's input); SwiGLU the
         fc1 output (gate|up, 2 wide), SiLU(gate) and the product, or with the fused kernel (model.fused_kernels)
         only the fc1 output and the product (Megatron-Core's SwiGLUFunction recomputes the rest in backward).
-        GeGLU (never fused) as unfused SwiGLU."""
+        GeGLU (never fused) as unfused SwiGLU; the clamped SwiGLU (gpt-oss, never fused here) 7: fc1's output,
+        min(gate, limit), its sigmoid, the quick GELU, clamp(up) + 1 and the product."""
         fused = act.fused and shape.activation == "swiglu"
-        kept = 2 if not shape.gated else 3 if fused else 4
+        kept = 2 if not shape.gated else 3 if fused else 7 if shape.activation == "clamped_swiglu" else 4
         return act.bytes * act.tokens * (shape.hidden_size / act.seq_split(split) +
                                          kept * shape.ffn_hidden_size / split.tp)
 

@@ -12,7 +12,9 @@ chain (dense + expert); the router attaches its load-balancing loss (and z-loss)
 its own gradient scale (MoEAuxLossAutoScaler). This file adds what the template reads: the parameter
 count per GPU and the FLOPs of the active experts, the statistics for the logs (the router's losses and
 the tokens each expert got, models/extra_losses.py), and the Hugging Face (Mixtral) weight mapping.
-Megatron-Core's MoE layer needs sequence parallelism with TP > 1 and no linear biases (training/config/validate.py).
+Megatron-Core's MoE layer needs sequence parallelism with TP > 1 (training/parallel/experts.py). With
+model.add_bias_linear (gpt-oss) the router and every expert projection carry a bias; Megatron-Core's expert MLP
+adds fc2's weighted by the token's routing probability, as gpt-oss does.
 """
 
 from __future__ import annotations
@@ -98,15 +100,19 @@ class MoE(MoELayer):
 
     @staticmethod
     def num_expert_params(shape: ModelShape, split: Split) -> int:
-        """The routed experts on one GPU: E/ep of them, each split over etp."""
+        """The routed experts on one GPU: E/ep of them, each split over etp (fc2's bias whole on each)."""
         h, ffn, fc1 = shape.hidden_size, shape.moe_ffn_hidden_size, 2 if shape.gated else 1
-        return shape.num_experts // split.ep * ((h * fc1 * ffn + ffn * h) // split.etp)
+        bias = fc1 * ffn // split.etp + h if shape.add_bias_linear else 0
+        return shape.num_experts // split.ep * ((h * fc1 * ffn + ffn * h) // split.etp + bias)
 
     @staticmethod
     def num_params(shape: ModelShape, split: Split) -> int:
-        """On one GPU: the router (replicated), the routed experts, the shared expert split over tp."""
+        """On one GPU: the router (replicated), the routed experts, the shared expert split over tp; biases
+        (model.add_bias_linear, gpt-oss): the router's and the experts'."""
         h, shared, fc1 = shape.hidden_size, shape.moe_shared_ffn_hidden_size or 0, 2 if shape.gated else 1
-        return shape.num_experts * h + MoE.num_expert_params(shape, split) + (h * fc1 * shared + shared * h) // split.tp
+        router = shape.num_experts * (h + shape.add_bias_linear)
+        shared_bias = fc1 * shared // split.tp + h if shape.add_bias_linear and shared else 0
+        return router + MoE.num_expert_params(shape, split) + (h * fc1 * shared + shared * h) // split.tp + shared_bias
 
     @staticmethod
     def flops_per_token(shape: ModelShape) -> float:
@@ -128,8 +134,9 @@ class MoE(MoELayer):
         copies = tokens * k * split.etp  # what this rank's experts compute (token_dispatcher gathers over ETP)
         # per copy, unfused SwiGLU: fc1 out (gate|up), SiLU(gate), up + offset (a copy), the product, x its
         # routing probability (fc2's input); fused (weighted_bias_swiglu_impl): fc1 out and fc2's input;
-        # GELU: fc1 out, GELU out, x probability
-        expert = 3 if not shape.gated or act.fused else 6
+        # GELU: fc1 out, GELU out, x probability; gpt-oss's clamped SwiGLU unfused: fc1 out (2), min(gate, limit),
+        # its sigmoid, the quick GELU, clamp(up) + 1, the product, x probability
+        expert = 3 if not shape.gated or act.fused else 8 if shape.activation == "clamped_swiglu" else 6
         shared = (shape.moe_shared_ffn_hidden_size or 0) * (2 if not shape.gated else 3 if act.fused else 5)
         routing = tokens * (12 * shape.num_experts + 32 * k)  # fp32 scores, int64 sort index; 32 bytes per top-k slot
         return e * (tokens * h + copies * (h + expert * shape.moe_ffn_hidden_size / split.etp) +
@@ -141,12 +148,17 @@ class MoE(MoELayer):
     # QK-norm): our local_experts.j.linear_fc1 = [gate; up] ([2*ffn, h], as models/mlp.py's SwiGLU), linear_fc2 =
     # down. The full (ep=1) model holds every expert. transformers >= 5 keeps the experts fused in memory
     # (mlp.experts.gate_up_proj [E, 2*ffn, h], down_proj [E, h, ffn]) and converts this, the checkpoints' format.
+    # gpt-oss (config.hf_family, set by training/interop/hf.py) keeps its experts fused on disk too, with biases and
+    # gate / up interleaved: gate_up_proj [E, h, 2*ffn] (x @ W: transposed), columns 0::2 the gate, 1::2 the up;
+    # gate_up_proj_bias [E, 2*ffn] the same; down_proj [E, ffn, h], down_proj_bias [E, h]; the router's bias.
     @staticmethod
     def hf_name(config: TransformerConfig) -> str:
-        return "mlp" if config.qk_layernorm else "block_sparse_moe"
+        return "mlp" if config.qk_layernorm or _gpt_oss(config) else "block_sparse_moe"
 
     @staticmethod
     def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        if _gpt_oss(config):
+            return _from_gpt_oss(get, config)
         gate, up, down = _hf_expert_names(config)
         out = {"router.weight": get("gate.weight")}
         for j in range(config.num_moe_experts):
@@ -158,6 +170,8 @@ class MoE(MoELayer):
 
     @staticmethod
     def to_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+        if _gpt_oss(config):
+            return _to_gpt_oss(get, config)
         gate, up, down = _hf_expert_names(config)
         out = {"gate.weight": get("router.weight")}
         for j in range(config.num_moe_experts):
@@ -170,3 +184,36 @@ class MoE(MoELayer):
 
 def _hf_expert_names(config: TransformerConfig) -> tuple[str, str, str]:
     return ("gate_proj", "up_proj", "down_proj") if MoE.hf_name(config) == "mlp" else ("w1", "w3", "w2")
+
+
+def _gpt_oss(config: TransformerConfig) -> bool:
+    return getattr(config, "hf_family", None) == "gpt_oss"
+
+
+def _from_gpt_oss(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    out = {"router.weight": get("router.weight"), "router.bias": get("router.bias")}
+    gate_up, gate_up_bias = get("experts.gate_up_proj"), get("experts.gate_up_proj_bias")  # [E, h, 2*ffn], [E, 2*ffn]
+    down, down_bias = get("experts.down_proj"), get("experts.down_proj_bias")  # [E, ffn, h], [E, h]
+    for j in range(config.num_moe_experts):
+        ours = f"experts.local_experts.{j}."
+        w, b = gate_up[j].t(), gate_up_bias[j]  # [2*ffn, h] rows gate, up, gate, up, ...; [2*ffn]
+        out[ours + "linear_fc1.weight"] = torch.cat([w[0::2], w[1::2]])  # [gate; up] [2*ffn, h]
+        out[ours + "linear_fc1.bias"] = torch.cat([b[0::2], b[1::2]])
+        out[ours + "linear_fc2.weight"] = down[j].t().contiguous()  # [h, ffn]
+        out[ours + "linear_fc2.bias"] = down_bias[j]
+    return out
+
+
+def _to_gpt_oss(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    fc1, fc1_bias, fc2, fc2_bias = [], [], [], []
+    for j in range(config.num_moe_experts):
+        ours = f"experts.local_experts.{j}."
+        gate, up = torch.chunk(get(ours + "linear_fc1.weight"), 2)  # [ffn, h] each
+        fc1.append(torch.stack([gate, up], dim=1).flatten(0, 1).t())  # interleaved rows -> [h, 2*ffn]
+        gate_b, up_b = torch.chunk(get(ours + "linear_fc1.bias"), 2)
+        fc1_bias.append(torch.stack([gate_b, up_b], dim=1).flatten())  # [2*ffn]
+        fc2.append(get(ours + "linear_fc2.weight").t())  # [ffn, h]
+        fc2_bias.append(get(ours + "linear_fc2.bias"))
+    return {"router.weight": get("router.weight"), "router.bias": get("router.bias"),
+            "experts.gate_up_proj": torch.stack(fc1), "experts.gate_up_proj_bias": torch.stack(fc1_bias),
+            "experts.down_proj": torch.stack(fc2), "experts.down_proj_bias": torch.stack(fc2_bias)}

@@ -86,7 +86,7 @@ class ModelShape:
     vocab_size: int | None = _tag(WEIGHTS)  # the tokenizer's (unpadded); None until it is known
     position_embedding: str = _tag(WEIGHTS)  # rope | learned
     normalization: str = _tag(WEIGHTS)  # LayerNorm | RMSNorm
-    activation: str = _tag(WEIGHTS)  # gelu | swiglu
+    activation: str = _tag(WEIGHTS)  # gelu | swiglu | geglu_tanh | clamped_swiglu
     add_bias_linear: bool = _tag(WEIGHTS)
     qkv_bias: bool = _tag(WEIGHTS)  # resolved: also true with add_bias_linear
     qk_norm: bool = _tag(WEIGHTS)
@@ -106,6 +106,7 @@ class ModelShape:
     partial_rotary_factor: float = _tag(NUMERICS)  # RoPE rotates the first int(kv_channels * this) of each head
     rotary_base_local: float | None = _tag(NUMERICS)  # "sliding" layers' base, plain RoPE; None: as full layers
     norm_epsilon: float = _tag(NUMERICS)
+    swiglu_limit: float = _tag(NUMERICS)  # clamped_swiglu's clamp (gpt-oss)
     norm_zero_centered: bool = _tag(NUMERICS)  # every norm applies (1 + weight) (Gemma; models/norm.py)
     scale_embedding: bool = _tag(NUMERICS)  # embeddings times sqrt(hidden_size) (Gemma; models/embedding.py)
     moe_top_k: int = _tag(NUMERICS, "moe.top_k")
@@ -149,7 +150,7 @@ class ModelShape:
             rotary_base=float(model.rotary_base), rope_scaling=_rope_scaling(model.rope_scaling),
             partial_rotary_factor=float(model.partial_rotary_factor),
             rotary_base_local=None if model.rotary_base_local is None else float(model.rotary_base_local),
-            norm_epsilon=float(model.norm_epsilon),
+            norm_epsilon=float(model.norm_epsilon), swiglu_limit=float(getattr(model, "swiglu_limit", 7.0)),
             moe_top_k=moe.top_k, moe_score_function=str(moe.score_function), moe_pre_softmax=bool(moe.pre_softmax),
             sliding_window=model.sliding_window,
             layer_types=_layer_types(model),
@@ -178,7 +179,7 @@ class ModelShape:
 
     @property
     def gated(self) -> bool:  # SwiGLU, GeGLU: fc1 computes gate and up
-        return self.activation in ("swiglu", "geglu_tanh")
+        return self.activation in ("swiglu", "geglu_tanh", "clamped_swiglu")
 
     def padded_vocab(self, tp: int) -> int:
         if self.vocab_size is None:

@@ -49,11 +49,13 @@ CASES = {
     "mlp-geglu-fused": (["model.activation=geglu_tanh", *FUSED], "mlp"),
     "mlp-swiglu-fused": (FUSED, "mlp"),
     "mlp-gelu": (["model.activation=gelu", "model.add_bias_linear=true"], "mlp"),
+    "mlp-clamped-swiglu": (["model.activation=clamped_swiglu"], "mlp"),
     "gated_mlp-swiglu": (["model.mlp=gated_mlp"], "mlp"),
     "gated_mlp-gelu": (["model.mlp=gated_mlp", "model.activation=gelu"], "mlp"),
     "moe-swiglu": (MOE, "mlp"),
     "moe-swiglu-fused": ([*MOE, *FUSED], "mlp"),
     "moe-gelu": ([*MOE, "model.activation=gelu"], "mlp"),
+    "moe-gpt-oss": ([*MOE, "model.activation=clamped_swiglu", "model.add_bias_linear=true"], "mlp"),
     "moe-shared-bf16": ([*MOE, "model.moe.shared_expert_ffn_hidden_size=64", "train.precision=bf16"], "mlp"),
     "layer-dense": ([], None),
     # Gemma 2/3's sandwich norms (four a layer), OLMo 2's post-norms (no input norms) with its QK-norm

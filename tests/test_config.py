@@ -48,7 +48,7 @@ INVALID = {
     "recompute-choice": (["model.recompute=some"], 1,
                          "model.recompute: Invalid value 'some', expected one of [none, selective, full]"),
     "activation-choice": (["model.activation=relu"], 1,
-                          "model.activation: Invalid value 'relu', expected one of [gelu, swiglu, geglu_tanh]"),
+                          "model.activation: Invalid value 'relu', expected one of [gelu, swiglu, geglu_tanh, clamped_swiglu]"),
     "fused-kernels-bool": (["model.fused_kernels=maybe"], 1, "model.fused_kernels: Value 'maybe' is not a valid bool"),
     "comma-value": (["data.split=98,2,0"], 1, "data.split=98,2,0: a value with commas needs quotes (text, as "
                                               "data.split: \"data.split='98,2,0'\") or brackets"),
@@ -72,8 +72,6 @@ INVALID = {
                         "a mixture of experts with parallel.tp=2 needs parallel.sp=true"),
     "moe-top-k": (["model=moe_tiny", "model.moe.top_k=9"], 1,
                   "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
-    "moe-bias": (["model=moe_tiny", "model.add_bias_linear=true"], 1,
-                 "a mixture of experts needs model.add_bias_linear=false"),
     "moe-etp-vs-ffn": (["model=moe_tiny", "parallel.etp=3"], 3,
                        "model.moe.ffn_hidden_size=176 is not divisible by parallel.etp=3"),
     "moe-dispatcher": (["model=moe_tiny", "model.moe.dispatcher=flex"], 1,

@@ -1,4 +1,4 @@
-"""conf/model's Gemma 2 / 3, OLMo 2, Phi-4 and Mistral presets are the published models: importing the published
+"""conf/model's Gemma 2 / 3, OLMo 2, Phi-4, Mistral and gpt-oss presets are the published models: importing the published
 config.json (training/interop/hf_config.py model_fields) gives the preset's shape, sequence length aside (the presets
 train shorter), and the planner's parameter count equals transformers' model built from that config.json on the
 meta device. (Llama 3.x and Qwen: tests/test_hf_families.py.)
@@ -33,6 +33,13 @@ PHI4_MINI_LONG = [1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916
                   13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418,
                   28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28,
                   33.49, 33.5, 44.16, 47.77]
+GPT_OSS = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, head_dim=64, num_attention_heads=64,
+               num_key_value_heads=8, num_experts_per_tok=4, vocab_size=201088, max_position_embeddings=131072,
+               initial_context_length=4096, rms_norm_eps=1e-5, rope_theta=150000, sliding_window=128,
+               rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                             "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+               swiglu_limit=7.0, attention_bias=True, router_aux_loss_coef=0.9, tie_word_embeddings=False,
+               hidden_act="silu", quantization_config={"quant_method": "mxfp4"})
 PUBLISHED = {
     "gemma3_1b": dict(GEMMA3_TEXT, vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32768, sliding_window=512,
@@ -68,12 +75,16 @@ PUBLISHED = {
                             num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                             max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
                             tie_word_embeddings=False, hidden_act="silu"),
+    "gpt_oss_20b": dict(GPT_OSS, num_hidden_layers=24, num_local_experts=32,
+                        layer_types=["sliding_attention", "full_attention"] * 12),
+    "gpt_oss_120b": dict(GPT_OSS, num_hidden_layers=36, num_local_experts=128,
+                         layer_types=["sliding_attention", "full_attention"] * 18),
 }
 CONFIG_CLASSES = {"gemma3_text": "Gemma3TextConfig", "gemma2": "Gemma2Config", "olmo2": "Olmo2Config",
-                  "phi3": "Phi3Config", "mistral": "MistralConfig"}
+                  "phi3": "Phi3Config", "mistral": "MistralConfig", "gpt_oss": "GptOssConfig"}
 # the published parameter counts, rounded as the model cards and papers give them
 ROUNDED = {"gemma2_2b": 2.61, "gemma2_9b": 9.24, "gemma2_27b": 27.23, "gemma3_27b": 27.01, "olmo2_13b": 13.72,
-           "phi4": 14.66, "phi4_mini": 3.84, "mistral_7b_v0_1": 7.24}
+           "phi4": 14.66, "phi4_mini": 3.84, "mistral_7b_v0_1": 7.24, "gpt_oss_20b": 20.91, "gpt_oss_120b": 116.83}
 
 
 def _imported(preset: str, published: dict):

@@ -10,6 +10,9 @@ config.json is the family's own.
     qwen3      Qwen3: QK-norm, head_dim 24 (4 x 24 != hidden 64)
     qwen3_moe  Qwen3-MoE: Qwen3's attention, 4 experts top-2 renormalised (norm_topk_prob), layer 1 dense
                (mlp_only_layers)
+    gpt_oss    gpt-oss: q/k/v/o biases, learned sinks, sliding (window 16) / full layers, YaRN (original context 32),
+               4 experts top-2 with a router bias and expert biases, the clamped SwiGLU (limit 0.3: it bites on
+               these weights); fine-tuned at tp2 x ep2
 
 Every norm weight and bias is random (transformers initialises them to 1 and 0, which would hide a swapped or
 dropped tensor). fp32; logits compared as max |diff| / max |logit| over the real vocabulary.
@@ -41,6 +44,12 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(QWEN3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
                   [["parallel.ep=2"]], ["parallel.tp=2", "parallel.sp=true"]),
+    "gpt_oss": ("GptOssConfig", dict(
+        {k: v for k, v in ARCH.items() if k != "rope_theta"}, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2, swiglu_limit=0.3, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32, "rope_theta": 1.5e5}),
+                [["parallel.ep=2"]], ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2"]),
 }
 
 
@@ -59,9 +68,11 @@ def _hf_models(root: str) -> dict:
         torch.manual_seed(20 + i)
         model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**fields))
         with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() == 1:  # norms around 1, biases around 0: both random
+            for param_name, param in model.named_parameters():
+                if param.dim() == 1:  # norms around 1, biases (and gpt-oss's sinks) around 0: both random
                     param.normal_(1.0 if param.abs().max() == 1 else 0.0, 0.2)
+                if param_name.endswith("router.weight"):  # gpt-oss: tokens spread over the experts despite the bias
+                    param.normal_(0.0, 0.5)
         hf_dir = Path(root) / name
         model.save_pretrained(str(hf_dir))
         cli = convert_main(convert_hf, ["import", "--hf-dir", str(hf_dir), "--out", f"{root}/ckpt_{name}", "--check",
@@ -121,12 +132,15 @@ def test_every_family_imports_with_transformers_logits_at_tp1_tp2_and_ep2(famili
             assert all(torch.equal(g, got[0]) for g in got), label  # every rank gathers the same logits
             diffs[label] = ((got[0] - reference).abs().max() / reference.abs().max()).item()
     print(f"relative logits diff vs transformers: {diffs}")
-    assert len(diffs) == 2 * len(FAMILIES) + 1 and all(d <= TOLERANCE for d in diffs.values()), diffs
+    layouts = sum(2 + len(others) for _, _, others, _ in FAMILIES.values())  # tp1, tp2 and the others
+    assert len(diffs) == layouts and all(d <= TOLERANCE for d in diffs.values()), diffs
     preset = {name: (root / "conf" / "model" / f"hf_{name}.yaml").read_text() for name in FAMILIES}
     assert "  type: llama3" in preset["llama3"] and "  factor: 4.0" in preset["llama3"]
     assert "qkv_bias: true" in preset["qwen2"] and "tie_embeddings: true" in preset["qwen2"]
     assert "qk_norm: true" in preset["qwen3"] and "kv_channels: 24" in preset["qwen3"]
     assert "  dense_layers:\n  - 1" in preset["qwen3_moe"] and "  pre_softmax: false" in preset["qwen3_moe"]
+    assert "activation: clamped_swiglu" in preset["gpt_oss"] and "attention_sinks: true" in preset["gpt_oss"]
+    assert "swiglu_limit: 0.3" in preset["gpt_oss"] and "add_bias_linear: true" in preset["gpt_oss"]
 
 
 def test_greedy_decoding_at_tp2_equals_transformers_generate(families):
@@ -153,7 +167,7 @@ def test_fine_tuned_checkpoints_export_as_their_family_with_equal_logits(familie
         for key in ("model_type", "head_dim", "num_key_value_heads", "rope_parameters", "tie_word_embeddings",
                     "max_position_embeddings",  # 128, though it trained at seq 64
                     "num_experts", "num_local_experts", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
-                    "decoder_sparse_step"):
+                    "decoder_sparse_step", "swiglu_limit", "sliding_window" if name == "gpt_oss" else "num_experts"):
             assert config.get(key) == original.get(key), (name, key, config.get(key), original.get(key))
     assert json.loads((root / "exported_llama3" / "config.json").read_text())["eos_token_id"] == 2  # LlamaConfig's
 

@@ -80,7 +80,7 @@ def test_flops_per_token_is_megatrons_formula(preset):
     h, s, L, V = m.hidden_size, m.seq_length, m.num_layers, shape.padded_vocab(1)
     heads = m.num_attention_heads
     groups, head_dim, ffn = m.num_query_groups or heads, m.kv_channels or h // heads, m.ffn_hidden_size or 4 * h
-    ffn_gemms = 3 if m.activation in ("swiglu", "geglu_tanh") else 2  # gated: gate, up, down
+    ffn_gemms = 3 if m.activation in ("swiglu", "geglu_tanh", "clamped_swiglu") else 2  # gated: gate, up, down
     moe = m.moe
     moe_layers = 0 if not moe.num_experts else \
         sum(1 for i in range(L) if i >= moe.first_dense and (i - moe.first_dense) % moe.layer_freq == 0)

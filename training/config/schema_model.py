@@ -24,6 +24,8 @@ class Activation(StrEnum):
     gelu = "gelu"
     swiglu = "swiglu"  # gated: SiLU(gate) * up, fc1 doubled
     geglu_tanh = "geglu_tanh"  # gated: GeLU(gate, tanh approximation) * up (Gemma's gelu_pytorch_tanh)
+    # gated (gpt-oss): g * sigmoid(1.702 g) * (clamp(up, -limit, limit) + 1), g = min(gate, limit)
+    clamped_swiglu = "clamped_swiglu"
 
 
 class NormPlacement(StrEnum):
@@ -95,7 +97,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # share of each head RoPE rotates, from its start (Phi-4-mini: 0.75)
     normalization: Normalization = Normalization.RMSNorm  # RMSNorm (Llama) | LayerNorm (GPT-2)
     norm_epsilon: float = 1e-5  # epsilon inside the norms
-    activation: Activation = Activation.swiglu  # swiglu (Llama) | gelu (GPT-2) | geglu_tanh (Gemma)
+    activation: Activation = Activation.swiglu  # swiglu (Llama) | gelu (GPT-2) | geglu_tanh (Gemma) | clamped_swiglu
+    swiglu_limit: float = 7.0  # clamped_swiglu's clamp of gate (above) and up (both sides) (gpt-oss: 7.0)
     add_bias_linear: bool = False  # biases in the linear layers (GPT-2 yes, Llama no)
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2); add_bias_linear implies them
     qk_norm: bool = False  # a norm over each query and key head before RoPE (Qwen3; Megatron-Core's qk_layernorm)

@@ -11,6 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -19,9 +20,12 @@ from training.config.schema import Activation, Config, Precision, Recompute
 from training.parallel import fsdp
 from training.shims import upstream_fixes
 
-# swiglu: SiLU(gate) * up, geglu_tanh: GeLU-tanh(gate) * up (gated: ModelShape.gated)
+# swiglu: SiLU(gate) * up, geglu_tanh: GeLU-tanh(gate) * up, clamped_swiglu: gpt-oss's g * sigmoid(1.702 g) *
+# (up + 1) with both clamped: Megatron-Core's quick_gelu with glu_linear_offset and activation_func_clamp_value
+# (its experts' MLP and models/mlp.py apply them) (gated: ModelShape.gated)
 ACTIVATIONS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu,
-               Activation.geglu_tanh: functools.partial(F.gelu, approximate="tanh")}
+               Activation.geglu_tanh: functools.partial(F.gelu, approximate="tanh"),
+               Activation.clamped_swiglu: quick_gelu}
 
 
 def params_dtype(cfg: Config) -> torch.dtype:
@@ -51,6 +55,8 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
         qk_layernorm=shape.qk_norm and shape.qk_norm_span == "head",
         layernorm_zero_centered_gamma=shape.norm_zero_centered,  # (1 + weight) in every norm (models/norm.py)
         activation_func=ACTIVATIONS[m.activation],
+        **({"glu_linear_offset": 1.0, "activation_func_clamp_value": shape.swiglu_limit}
+           if m.activation == Activation.clamped_swiglu else {}),
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         # parallelism

@@ -6,6 +6,8 @@
     qwen3       RMSNorm of each query and key head before RoPE; head_dim != h/heads qk_norm, kv_channels
     mixtral     MoE in every layer, softmax over the top-k                        moe.*
     qwen3_moe   Qwen3's attention; MoE layers by decoder_sparse_step / mlp_only_layers moe.*, moe.dense_layers
+    gpt_oss     biases everywhere, sinks, sliding / full layers, YaRN, a router bias, clamped SwiGLU experts
+                (MXFP4 checkpoints dequantized): training/interop/hf_gpt_oss.py
     gemma2, gemma3_text, olmo2, phi3: training/interop/hf_families.py (sandwich / post norms, soft-caps, windows
                 per layer, whole-projection QK-norm, fused Phi-3 projections)
 
@@ -22,9 +24,9 @@ Light on purpose (no Megatron-Core, no torch): the config check before any work.
 from __future__ import annotations
 
 from training.errors import TemplateError
-from training.interop import hf_families, hf_rope
+from training.interop import hf_families, hf_gpt_oss, hf_rope
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", *hf_families.FAMILIES)
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", *hf_families.FAMILIES, hf_gpt_oss.KIND)
 QWEN = ("qwen2", "qwen3", "qwen3_moe")
 WINDOWED = ("mistral", "mixtral", "phi3")  # every layer sliding when config.json's sliding_window is set
 ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}  # transformers' gated MLP's act -> ours
@@ -42,10 +44,12 @@ def _refusals(hf: dict) -> list[str]:
     want = "gelu_pytorch_tanh" if gemma else "silu"
     checks = [
         ("model_type", kind, ", ".join(FAMILIES), kind in FAMILIES),
-        ("hidden_activation" if gemma else "hidden_act", act, want, act == want),
         *hf_rope.checks(hf),  # RoPE types, a sliding layers' RoPE of their own, partial rotary
         ("router_jitter_noise", hf.get("router_jitter_noise", 0.0), "0.0", hf.get("router_jitter_noise", 0.0) == 0.0),
     ]
+    if kind == hf_gpt_oss.KIND:  # its experts' activation is its own (swiglu_alpha, swiglu_limit), not hidden_act
+        return _named(checks + hf_gpt_oss.checks(hf))
+    checks.append(("hidden_activation" if gemma else "hidden_act", act, want, act == want))
     if kind in hf_families.FAMILIES:  # Gemma's layer types, soft-caps; biases, OLMo 2's clip_qkv
         return _named(checks + hf_families.checks(hf))
     checks += [
@@ -95,13 +99,15 @@ def model_fields(hf: dict) -> dict:
         sliding_window=window,
         position_embedding="rope", **hf_rope.fields(hf),  # rotary_base(_local), partial_rotary_factor, rope_scaling
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        activation=ACTIVATIONS[hf_families.activation(hf)],
+        activation=ACTIVATIONS.get(hf_families.activation(hf), "swiglu"),  # gpt_oss: its own (hf_gpt_oss.py)
         add_bias_linear=bool(hf.get("attention_bias", False)) and kind not in QWEN,
         qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's default
         attention_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
         init_method_std=float(hf.get("initializer_range", 0.02)))
     fields.update(hf_families.fields(hf))  # Gemma's norms, scale, soft-caps and layer types; OLMo 2's norms
+    if kind == hf_gpt_oss.KIND:  # biases, sinks, windows, clamped SwiGLU experts
+        fields.update(hf_gpt_oss.fields(hf))
     if kind == "mixtral":  # every layer sparse; the top-k renormalised: softmax over the top-k logits
         fields["moe"] = dict(
             num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=None,
@@ -123,7 +129,7 @@ def model_fields(hf: dict) -> dict:
 def family(shape) -> str:
     """The Hugging Face family that expresses this models/shape.py ModelShape (export writes its config)."""
     if shape.num_experts:
-        return "qwen3_moe" if shape.qk_norm else "mixtral"
+        return hf_gpt_oss.KIND if hf_gpt_oss.is_gpt_oss(shape) else "qwen3_moe" if shape.qk_norm else "mixtral"
     if kind := hf_families.family(shape):  # sandwich norms: Gemma; post: OLMo 2; partial / longrope RoPE: Phi-3
         return kind
     if shape.qk_norm:
@@ -133,6 +139,9 @@ def family(shape) -> str:
 
 def _export_problems(shape, kind: str) -> dict:
     """{our field: value} that the family `kind` cannot express."""
+    if kind == hf_gpt_oss.KIND:
+        return {**{name: value for name, value, ok in hf_gpt_oss.export_checks(shape) if value != ok},
+                **hf_rope.export_problems(shape, kind)}
     checks = [("model.position_embedding", shape.position_embedding, "rope"),
               ("model.normalization", shape.normalization, "RMSNorm"), *hf_families.export_checks(shape, kind)]
     if kind not in hf_families.FAMILIES:
@@ -173,6 +182,8 @@ def hf_config(shape, model, precision: str):
         attention_dropout=model.attention_dropout, initializer_range=model.init_method_std, bos_token_id=None,
         eos_token_id=None, **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
     common.update(hf_rope.export_fields(shape, kind))  # rope_theta, rope_scaling, partial rotary, a local base
+    if kind == hf_gpt_oss.KIND:
+        return hf_gpt_oss.hf_config(transformers, shape, model, common)
     if kind in hf_families.FAMILIES:  # Gemma 2 / 3, OLMo 2, Phi-3
         return hf_families.hf_config(transformers, shape, kind, {**common, "intermediate_size": shape.ffn_hidden_size})
     if kind == "mixtral":

@@ -101,7 +101,9 @@ class LazyPlanner(MCoreSavePlanner):
         if isinstance(obj, torch.Tensor) and obj.is_meta:
             name, size, stride, offset = self._view(write_item)
             full = self.source.take(name, obj.dtype).contiguous()  # [the whole parameter], e.g. [2 * ffn, h]
-            obj = full.as_strided(size, stride, offset).reshape(obj.shape)  # this item's view of it
+            # this item's view of it; `full` may itself be a view into a larger tensor (gpt-oss's down_proj_bias[j]):
+            # the item's offset counts from full's own first element
+            obj = full.as_strided(size, stride, full.storage_offset() + offset).reshape(obj.shape)
             if self.progress is not None:
                 self.progress(self.source.bytes)
         return self.transform_object(write_item, obj)

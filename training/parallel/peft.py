@@ -47,7 +47,7 @@ def problems(cfg, layout) -> list[str]:
         if fused in p.targets and (named := [t for t in split if t in p.targets]):
             out.append(f"peft.targets names {fused} (one adapter, its A shared by {', '.join(split)}) and {named} "
                        f"(their own adapters): choose one form, [{fused}] or [{', '.join(split)}]")
-    if str(cfg.model.activation) not in ("swiglu", "geglu_tanh") and \
+    if str(cfg.model.activation) not in ("swiglu", "geglu_tanh", "clamped_swiglu") and \
             (gated := [t for t in SPLIT["linear_fc1"] if t in p.targets]):
         out.append(f"peft.targets={gated} need a gated MLP (gate|up fc1), not model.activation={cfg.model.activation}"
                    f": use linear_fc1")
