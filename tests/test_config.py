@@ -72,6 +72,8 @@ INVALID = {
                         "a mixture of experts with parallel.tp=2 needs parallel.sp=true"),
     "moe-top-k": (["model=moe_tiny", "model.moe.top_k=9"], 1,
                   "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
+    "moe-bias-etp": (["model=moe_tiny", "model.add_bias_linear=true", "parallel.etp=2", "parallel.ep=2"], 4,
+                     "model.add_bias_linear=true (experts with biases, gpt-oss) with parallel.etp=2: Megatron-Core's"),
     "moe-etp-vs-ffn": (["model=moe_tiny", "parallel.etp=3"], 3,
                        "model.moe.ffn_hidden_size=176 is not divisible by parallel.etp=3"),
     "moe-dispatcher": (["model=moe_tiny", "model.moe.dispatcher=flex"], 1,

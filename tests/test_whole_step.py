@@ -28,7 +28,12 @@ OPTIONS = ["model.sliding_window=6", "model.layer_types=[sliding,full,sliding,fu
            "model.attention_sinks=true", "model.norm_zero_centered=true", "model.norm_placement=sandwich",
            "model.scale_embedding=true", "model.activation=geglu_tanh", "model.partial_rotary_factor=0.5",
            "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position=8"]
-MODELS = {"dense": WHOLE_STEP, "moe": [*WHOLE_STEP, *MOE], "options": [*WHOLE_STEP, *OPTIONS]}
+# gpt-oss's (issue 45): biases on attention, the router and the experts, the clamped SwiGLU (its limit biting),
+# sinks, a window on alternate layers
+GPT_OSS = [*MOE, "model.add_bias_linear=true", "model.activation=clamped_swiglu", "model.swiglu_limit=0.1",
+           "model.attention_sinks=true", "model.sliding_window=6", "model.layer_types=[sliding,full,sliding,full]"]
+MODELS = {"dense": WHOLE_STEP, "moe": [*WHOLE_STEP, *MOE], "options": [*WHOLE_STEP, *OPTIONS],
+          "gpt_oss": [*WHOLE_STEP, *GPT_OSS]}
 # case -> (model, layout overrides, processes)
 CASES = {
     "tp2": ("dense", ["parallel.tp=2"], 2),
@@ -46,6 +51,9 @@ CASES = {
     "options-tp2": ("options", ["parallel.tp=2"], 2),
     "options-pp2": ("options", ["parallel.pp=2"], 2),
     "options-cp2": ("options", ["parallel.cp=2"], 2),
+    "gpt-oss-ep2-distopt": ("gpt_oss", ["parallel.ep=2", "parallel.dist_opt=true"], 2),
+    "gpt-oss-tp2-sp-ep2": ("gpt_oss", ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2"], 2),
+    "gpt-oss-pp2": ("gpt_oss", ["parallel.pp=2"], 2),
 }
 BATCH = make_batch(global_batch=4, seq=16)
 

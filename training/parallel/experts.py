@@ -25,6 +25,9 @@ def problems(cfg, layout) -> list[str]:
          f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}")
     need(layout.tp == 1 or layout.sp, f"a mixture of experts with parallel.tp={layout.tp} needs parallel.sp=true "
                                       f"(Megatron-Core's MoE layer takes sequence-parallel tokens under TP)")
+    need(not m.add_bias_linear or layout.etp == 1,
+         f"model.add_bias_linear=true (experts with biases, gpt-oss) with parallel.etp={layout.etp}: Megatron-Core's "
+         f"MoE layer takes expert biases only at parallel.etp=1")
     need(moe.layer_freq >= 1 and 0 <= moe.first_dense < m.num_layers,
          f"model.moe.layer_freq={moe.layer_freq} must be >= 1 and model.moe.first_dense={moe.first_dense} below "
          f"model.num_layers={m.num_layers}: at least one layer must be MoE")

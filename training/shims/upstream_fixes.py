@@ -31,6 +31,12 @@ after the upstream report and covered by a test.
    Fix: expert weights are always marked expert weights; at EP = 1 the expert-data-parallel group is the
    data-parallel group, so the arithmetic is unchanged.
    Test: tests/test_moe.py (EP2 -> EP1 and EP1 -> EP2 resume, Adam state included).
+   Also: an expert's RowParallelLinear marks its bias `sequence_parallel` whenever sequence parallelism is on
+   (tensor_parallel/layers.py), so finalize_model_grads sums the expert biases' gradients over the TP group. An
+   expert's tokens come through the dispatcher, not a TP sequence shard: its bias gradient is already whole, and
+   with EP across the TP ranks (tp2 x ep2) the sum adds another expert's gradient to it (gpt-oss's down biases
+   1.9x off after one step). Fix: routed experts' parameters are never `sequence_parallel`.
+   Test: tests/test_whole_step.py (gpt-oss at tp2 + sp x ep2).
 
 4. dist_checkpointing's write-results queue outlives a killed rank (no upstream report found): a rank's first save
    with shards to write starts a multiprocessing Manager (spawn: its server process, and the resource tracker)
@@ -66,13 +72,15 @@ def pipeline_p2p_settings(pp: int, vpp: int | None) -> dict:
 
 
 def mark_expert_params(chunk) -> None:
-    """Fix 3: every routed expert's weights are expert weights (allreduce=False), whatever the EP size."""
+    """Fix 3: every routed expert's weights are expert weights (allreduce=False), whatever the EP size, and
+    none is summed over TP as a sequence-parallel parameter."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     for module in chunk.modules():
         if isinstance(module, SequentialMLP) or type(module).__name__ == "TEGroupedMLP":
             for param in module.parameters():
                 param.allreduce = False
+                param.sequence_parallel = False
 
 
 def _torch_adam_distributed_optimizers(optimizer) -> list:
