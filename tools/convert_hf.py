@@ -87,7 +87,8 @@ def do_import(args, overrides: list[str]) -> bool:
     hf_dir = Path(args.hf_dir or "--hf-dir not given")
     if not (hf_dir / "config.json").is_file():
         raise TemplateError(f"{hf_dir} has no config.json: point --hf-dir at a downloaded Hugging Face model")
-    fields = hf_config.model_fields(json.loads((hf_dir / "config.json").read_text()))
+    published = json.loads((hf_dir / "config.json").read_text())
+    fields = hf_config.model_fields(published)
     overridden = {o.split("=")[0].lstrip("+~") for o in overrides}
     fixed = sorted(f"model.{k}" for k in fixed_by_config_json() if f"model.{k}" in overridden)
     if fixed or any(k.startswith("parallel.") for k in overridden):
@@ -136,6 +137,8 @@ def do_import(args, overrides: list[str]) -> bool:
               f"checkpoint.load={cfg.checkpoint.dir} checkpoint.finetune=true{tokenizer}"
               + ("" if tokenizer else f"\nnote: {hf_dir} has no tokenizer.json: give data.tokenizer the model's when "
                                       f"you preprocess and train (else text is byte ids)"), flush=True)
+        if (published.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            print("note: the experts were stored in MXFP4: imported dequantized to bf16 (an export writes bf16)")
         return not args.check or hf_check.check_checkpoint(cfg, shape, path, hf_dir, args.tolerance)
 
 

@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 
 from models import gpt as gpt_module
 from training.engine.build import TrainState
+from training.interop import hf_mxfp4
 from training.interop.hf_config import HFError, family
 from training.parallel.wrap import unwrap
 
@@ -32,7 +33,8 @@ FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 5e-2  # max |logit diff| / max |logit| (b
 class HFWeights:
     """The tensors of <dir>/model.safetensors or the shards named by model.safetensors.index.json, read on demand
     (one tensor in memory at a time, one shard open: the memory map of a shard read before is released, so a
-    streamed import holds at most one shard's pages); remembers which were read."""
+    streamed import holds at most one shard's pages); remembers which were read. A tensor stored in MXFP4 (gpt-oss's
+    experts: `name_blocks` and `name_scales`) is read as `name`, dequantized to bf16 (hf_mxfp4.py)."""
 
     DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -55,6 +57,12 @@ class HFWeights:
         config = directory / "config.json"  # its family names fused tensors (Phi-3's qkv_proj, gate_up_proj)
         self.family = json.loads(config.read_text()).get("model_type") if config.is_file() else None
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.where or self._mxfp4(name)
+
+    def _mxfp4(self, name: str) -> bool:
+        return name not in self.where and all(name + suffix in self.where for suffix in hf_mxfp4.SUFFIXES)
+
     def _handle(self, name: str):
         from safetensors import safe_open
 
@@ -67,12 +75,18 @@ class HFWeights:
         return self.open[1]
 
     def __call__(self, name: str) -> torch.Tensor:
+        if self._mxfp4(name):
+            return hf_mxfp4.dequantize(*(self(name + suffix) for suffix in hf_mxfp4.SUFFIXES))
         tensor = self._handle(name).get_tensor(name)
         self.read.add(name)
         return tensor
 
     def header(self, name: str, mark: bool = True) -> tuple[list[int], torch.dtype]:
         """A tensor's shape and dtype from its shard's header (no data read)."""
+        if self._mxfp4(name):
+            for suffix in hf_mxfp4.SUFFIXES:
+                self.header(name + suffix, mark)
+            return hf_mxfp4.dequantized_shape(self.header(name + "_blocks", mark)[0]), torch.bfloat16
         view = self._handle(name).get_slice(name)
         if mark:
             self.read.add(name)

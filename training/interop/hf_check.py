@@ -105,7 +105,7 @@ def reference_logits(hf_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, 
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     tied = getattr(config, "tie_word_embeddings", False)
     alias = {"lm_head.weight": "model.embed_tokens.weight"} if tied and "lm_head.weight" not in weights.where else {}
-    if missing := [n for n in names if alias.get(n, n) not in weights.where]:
+    if missing := [n for n in names if alias.get(n, n) not in weights]:
         return hf.reference_logits(hf_dir, tokens), (f"whole model loaded (its parameter names are not the "
                                                      f"checkpoint's tensor names, e.g. {missing[0]})")
 
