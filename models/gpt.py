@@ -188,6 +188,18 @@ def num_params(shape: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0, vpp:
     return count
 
 
+def active_params(shape: ModelShape) -> int:
+    """The parameters one token's forward uses: a MoE layer's router, shared expert and top_k of its routed experts
+    (not the other E - top_k), and not the input embedding (a row lookup) unless it is tied to the output layer.
+    gpt-oss's model card counts so (120b: 5.13 B of 116.83 B); Qwen's counts the embedding too (Qwen3-30B-A3B:
+    3.04 B here + 0.31 B embedding = its 3.3 B)."""
+    idle = sum(block.num_expert_params(shape, Split()) * (shape.num_experts - shape.moe_top_k) // shape.num_experts
+               for n in range(1, shape.num_layers + 1) for _, block in layer_spec(shape, n).items()
+               if hasattr(block, "num_expert_params"))
+    embedding = 0 if shape.tie_embeddings else shape.padded_vocab(1) * shape.hidden_size
+    return num_params(shape) - idle - embedding
+
+
 def flops_per_token(shape: ModelShape, tp: int = 1, kinds: tuple[str, ...] | None = None) -> float:
     """Training FLOPs per token: 3 x forward (backward = 2 x forward; recomputation not counted), as in
     Megatron-LM's `num_floating_point_operations`: each block's GEMMs + the output layer over the padded

@@ -109,7 +109,7 @@ def _imported(preset: str, published: dict):
 def test_dense_presets_are_the_published_models():
     import transformers
 
-    from models.gpt import num_params
+    from models.gpt import active_params, num_params
     from models.shape import ModelShape
     from training.config.compose import compose
 
@@ -121,9 +121,27 @@ def test_dense_presets_are_the_published_models():
         counts[preset] = meta_parameter_count(CONFIG_CLASSES[published["model_type"]], published)
         assert num_params(ModelShape.of(ours)) == counts[preset], (preset, counts[preset])
     assert {name: round(counts[name] / 1e9, 2) for name in ROUNDED} == ROUNDED, counts
+    # gpt-oss's active parameters a token (its model card: 3.6 B / 5.1 B): transformers' model less the input
+    # embedding and the routed experts' (E - k) / E share, against models/gpt.py's active_params
+    for preset, published in {"gpt_oss_20b": 3.61, "gpt_oss_120b": 5.13}.items():
+        shape = ModelShape.of(compose([f"model={preset}"]).model)
+        assert active_params(shape) == _hf_active(PUBLISHED[preset]) and round(active_params(shape) / 1e9, 2) == published
     defaults = transformers.Gemma3TextConfig().to_dict()  # what Gemma 3's sparse text_config leaves to them
     for key in ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
                 "rms_norm_eps", "query_pre_attn_scalar", "hidden_activation"):
         assert defaults[key] == GEMMA3_TEXT[key], key
     assert defaults["rope_parameters"]["full_attention"]["rope_theta"] == GEMMA3_TEXT["rope_theta"]
     assert defaults["rope_parameters"]["sliding_attention"]["rope_theta"] == GEMMA3_TEXT["rope_local_base_freq"]
+
+
+def _hf_active(published: dict) -> int:
+    """A gpt-oss's active parameters from transformers' model on the meta device."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**published))
+    params = dict(model.named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".mlp.experts." in n)
+    idle = experts * (published["num_local_experts"] - published["num_experts_per_tok"]) // published["num_local_experts"]
+    return sum(p.numel() for p in params.values()) - idle - params["model.embed_tokens.weight"].numel()

@@ -147,10 +147,13 @@ def prepare(settings: dict, overrides: list[str]):
 def plan(settings: dict, overrides: list[str], prepared: tuple | None = None) -> tuple[list[dict], str]:
     """Ranked rows (the recommended one flagged) and a header describing the problem, the batch included;
     prepared: prepare()'s answer when the caller has it."""
+    from models.gpt import active_params
+
     cfg, shape, batch = prepared or prepare(settings, overrides)
     rows = rank(search(cfg, shape, settings, batch.micro))
     t, world = cfg.train, settings["gpus_per_node"] * settings["nodes"]
-    header = (f"{cfg.model.name}: {rows[0]['params_total'] / 1e9:.3f} B parameters, seq {cfg.model.seq_length}; "
+    active = f" ({active_params(shape) / 1e9:.3f} B active a token, embedding lookup aside)" if shape.num_experts else ""
+    header = (f"{cfg.model.name}: {rows[0]['params_total'] / 1e9:.3f} B parameters{active}, seq {cfg.model.seq_length}; "
               f"{world} GPUs ({settings['nodes']} x {settings['gpus_per_node']}) of {settings['gpu_mem_gb']:g} GB, "
               f"budget {settings['gpu_mem_gb'] * t.max_memory_fraction:g} GB (train.max_memory_fraction="
               f"{t.max_memory_fraction:g}); flash attention {'assumed' if settings['flash_attention'] else 'off'}"
