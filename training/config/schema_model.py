@@ -72,6 +72,17 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """Multi-latent attention's sizes (DeepSeek-V2/V3; models/mla.py), read when model.attention=mla."""
+
+    q_lora_rank: Optional[int] = None  # q's low-rank latent (DeepSeek-V3: 1536); null = one plain q projection
+    kv_lora_rank: int = 64  # the compressed K/V latent every head expands from (DeepSeek-V3: 512)
+    qk_nope_head_dim: int = 32  # each head's q/k part without RoPE (DeepSeek-V3: 128)
+    qk_rope_head_dim: int = 16  # each head's rotated q/k part; k's is one, shared by every head (DeepSeek-V3: 64)
+    v_head_dim: int = 32  # each head's value width (DeepSeek-V3: 128), independent of q/k's
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"  # preset name, for logs and checkpoint metadata
     num_layers: int = 4  # transformer layers in the whole model (split across pipeline stages)
@@ -108,6 +119,7 @@ class ModelConfig:
     attention: str = "self_attention"  # the layers' attention block: a name in models/spec.py's BLOCKS or module:Class
     mlp: str = "mlp"  # the layers' MLP block: a name in models/spec.py's BLOCKS or module:Class
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts: model.moe.num_experts > 0 turns it on
+    mla: MLAConfig = field(default_factory=MLAConfig)  # multi-latent attention's sizes (model.attention=mla)
     hidden_dropout: float = 0.0  # dropout after attention/MLP and on embeddings; 0 for pretraining
     attention_dropout: float = 0.0  # dropout on attention probabilities
     init_method_std: float = 0.02  # normal init std (output projections scaled by 1/sqrt(2L), Megatron)

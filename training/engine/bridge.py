@@ -14,6 +14,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models import mla
 from models.shape import ModelShape
 from training.config.schema import Activation, Config, Precision, Recompute
 from training.parallel import fsdp
@@ -90,6 +91,7 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
     config.qk_norm_span = shape.qk_norm_span if shape.qk_norm else None
     config.scale_embedding = shape.scale_embedding
     config.attn_logit_softcap = shape.attn_logit_softcap  # Gemma 2's (models/core_attention.py); no MCore field
+    config.mla = shape.mla  # multi-latent attention's sizes (models/mla.py), None otherwise
     return config
 
 
@@ -100,7 +102,8 @@ def attention_settings(shape: ModelShape) -> dict:
     return dict(
         window_size=(window - 1, 0) if window else None,
         window_attn_skip_freq=[int(kind == "sliding") for kind in shape.layer_types] if window else None,
-        softmax_scale=shape.query_pre_attn_scalar ** -0.5 if shape.query_pre_attn_scalar else None,
+        softmax_scale=mla.softmax_scale(shape) if shape.mla else
+        shape.query_pre_attn_scalar ** -0.5 if shape.query_pre_attn_scalar else None,
         softmax_type="learnable" if shape.attention_sinks else "vanilla",
     )
 
