@@ -155,15 +155,20 @@ class MLA(MegatronModule):
         """Replicated (sequence-sharded under SP): the input, the kv down projection's output (the latent's norm
         keeps it: a view) and the norm's output (kv_up's input), q's latent and its norm's output. Split by heads:
         the attention core's Q and K (concatenated copies), kv_up's output (V is a view of it) and the core's
-        output. Without flash attention the s x s scores, as models/attention.py."""
+        output. The s x s softmax without flash attention, and also when v_head_dim differs from the q/k head dim
+        (DeepSeek-V3: 128 vs 192): torch's CPU flash kernel needs one head dim, so SDPA takes its math path, which
+        keeps Q, K and the softmax in fp32 (CUDA's memory-efficient kernel keeps no scores: there this
+        overestimates)."""
         m, e, t, heads = shape.mla, act.bytes, split.tp, shape.num_attention_heads
+        math = act.recompute == "none" and not (act.flash and m.v_head_dim == m.qk_head_dim)  # SDPA's math path
+        qk = max(e, 4) if math else e  # the math path keeps Q and K in fp32 (its own copies below fp32)
         replicated = shape.hidden_size + m.kv_lora_rank * 2 + m.qk_rope_head_dim + 2 * (m.q_lora_rank or 0)
-        sharded = heads * (2 * m.qk_head_dim + m.qk_nope_head_dim + 2 * m.v_head_dim)
-        out = e * act.tokens * (replicated / act.seq_split(split) + sharded / t)
-        if act.recompute != "none" or act.flash:
+        sharded = e * heads * (m.qk_nope_head_dim + 2 * m.v_head_dim) + qk * heads * 2 * m.qk_head_dim
+        out = act.tokens * (e * replicated / act.seq_split(split) + sharded / t)
+        if not math:
             return out
-        scores = heads * act.tokens * act.seq * act.cp / t  # [b, np/tp, s, s_k]
-        return out + (e + (1 + e if act.attention_dropout else 0)) * scores
+        scores = heads * act.tokens * act.seq * act.cp / t  # [b, np/tp, s, s_k], the fp32 softmax
+        return out + (max(e, 4) + (1 + e if act.attention_dropout else 0)) * scores
 
     # ---- Hugging Face interop (deepseek_v3): this block's weights <-> HF's `self_attn.*` ----------------------
     # The same matrices under other names; with rope_interleave (transformers' default for DeepSeek-V3) HF's

@@ -17,7 +17,10 @@ BUILDS = {name: [f"model={name}"] for name in PRESETS} | {
     "gpt2_124m+gated_mlp": ["model=gpt2_124m", "model.mlp=gated_mlp"],
     # Gemma 2/3's four norms a layer and per-head QK-norm; OLMo 2's two post-norms and whole-projection QK-norm
     "tiny+sandwich": ["model=tiny", "model.norm_placement=sandwich", "model.qk_norm=true"],
-    "tiny+post": ["model=tiny", "model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_span=projection"]}
+    "tiny+post": ["model=tiny", "model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_span=projection"],
+    # DeepSeek-V3's multi-latent attention: q low-rank with biases (attention_bias), a plain q projection
+    "tiny+mla": ["model=tiny", "model.attention=mla", "model.mla.q_lora_rank=48", "model.add_bias_linear=true"],
+    "tiny+mla-q-proj": ["model=tiny", "model.attention=mla"]}
 
 
 def _built_counts(builds: dict) -> dict:
