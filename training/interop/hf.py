@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 
 from models import gpt as gpt_module
 from training.engine.build import TrainState
+from training.interop import hf_deepseek
 from training.interop.hf_config import HFError, family
 from training.parallel.wrap import unwrap
 
@@ -53,7 +54,10 @@ class HFWeights:
         if missing := sorted(f for f in set(files.values()) if not (directory / f).is_file()):
             raise HFError(f"{directory}: shards named in model.safetensors.index.json are missing: {missing[:4]}")
         config = directory / "config.json"  # its family names fused tensors (Phi-3's qkv_proj, gate_up_proj)
-        self.family = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+        hf = json.loads(config.read_text()) if config.is_file() else {}
+        self.family = hf.get("model_type")
+        if self.family == hf_deepseek.FAMILY:  # multi-token prediction layers: not imported (hf_deepseek.skipped)
+            self.where = {k: v for k, v in self.where.items() if not hf_deepseek.mtp_tensor(hf, k)}
 
     def _handle(self, name: str):
         from safetensors import safe_open

@@ -22,9 +22,9 @@ Light on purpose (no Megatron-Core, no torch): the config check before any work.
 from __future__ import annotations
 
 from training.errors import TemplateError
-from training.interop import hf_families, hf_rope
+from training.interop import hf_deepseek, hf_families, hf_rope
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", *hf_families.FAMILIES)
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", *hf_families.FAMILIES, hf_deepseek.FAMILY)
 QWEN = ("qwen2", "qwen3", "qwen3_moe")
 WINDOWED = ("mistral", "mixtral", "phi3")  # every layer sliding when config.json's sliding_window is set
 ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}  # transformers' gated MLP's act -> ours
@@ -66,6 +66,8 @@ def _refusals(hf: dict) -> list[str]:
         checks.append((field, True, f"only with {'mlp_bias' if attention_bias else 'attention_bias'}=true: the "
                                     f"template's o_proj bias and MLP biases are one switch, model.add_bias_linear",
                        False))
+    if kind == hf_deepseek.FAMILY:  # multi-latent attention, DeepSeek's MoE: training/interop/hf_deepseek.py
+        checks += hf_deepseek.checks(hf)
     if kind == "qwen3_moe":
         checks.append(("shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"), "null or 0",
                        not hf.get("shared_expert_intermediate_size")))
@@ -102,6 +104,8 @@ def model_fields(hf: dict) -> dict:
         attention_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
         init_method_std=float(hf.get("initializer_range", 0.02)))
     fields.update(hf_families.fields(hf))  # Gemma's norms, scale, soft-caps and layer types; OLMo 2's norms
+    if kind == hf_deepseek.FAMILY:
+        fields.update(hf_deepseek.fields(hf))  # multi-latent attention's sizes
     if kind == "mixtral":  # every layer sparse; the top-k renormalised: softmax over the top-k logits
         fields["moe"] = dict(
             num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=None,
@@ -122,6 +126,8 @@ def model_fields(hf: dict) -> dict:
 
 def family(shape) -> str:
     """The Hugging Face family that expresses this models/shape.py ModelShape (export writes its config)."""
+    if shape.mla is not None:  # multi-latent attention: DeepSeek-V3's
+        return hf_deepseek.FAMILY
     if shape.num_experts:
         return "qwen3_moe" if shape.qk_norm else "mixtral"
     if kind := hf_families.family(shape):  # sandwich norms: Gemma; post: OLMo 2; partial / longrope RoPE: Phi-3
@@ -173,6 +179,8 @@ def hf_config(shape, model, precision: str):
         attention_dropout=model.attention_dropout, initializer_range=model.init_method_std, bos_token_id=None,
         eos_token_id=None, **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
     common.update(hf_rope.export_fields(shape, kind))  # rope_theta, rope_scaling, partial rotary, a local base
+    if kind == hf_deepseek.FAMILY:
+        return hf_deepseek.hf_config(transformers, shape, {**common, "intermediate_size": shape.ffn_hidden_size})
     if kind in hf_families.FAMILIES:  # Gemma 2 / 3, OLMo 2, Phi-3
         return hf_families.hf_config(transformers, shape, kind, {**common, "intermediate_size": shape.ffn_hidden_size})
     if kind == "mixtral":

@@ -1,0 +1,101 @@
+"""DeepSeek-V3 (model_type deepseek_v3) end to end through tools/convert_hf.py: a small random model built and saved by
+transformers' own classes (multi-latent attention with q low-rank, v_head_dim != the q/k head dim, DeepSeek's
+interleaved RoPE rows, YaRN with mscale != mscale_all_dim, dense layers; a multi-token prediction layer's tensor in
+the checkpoint) is imported (--check: transformers' logits within 1e-5), gives the same logits at tp2 and tp2 + sp,
+and exports (--check: the exported model's logits in transformers equal ours) as a DeepseekV3Config.
+
+Every norm weight is random (transformers initialises them to 1). fp32; logits compared as max |diff| / max |logit|.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_distributed
+from hf_interop import ROOT, VOCAB, convert_main, logits_at_layouts, relative_diff
+
+if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
+    pytest.skip("needs the hf extra: pip install -e '.[hf]'", allow_module_level=True)
+
+TOLERANCE = 1e-5
+LAYERS = 2
+ARCH = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=LAYERS, n_routed_experts=4,
+            num_nextn_predict_layers=1, rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.6,
+                             "original_max_position_embeddings": 16})
+MTP = f"model.layers.{LAYERS}.eh_proj.weight"  # a multi-token prediction layer's tensor, as DeepSeek ships them
+
+
+def _import(root: str) -> dict:
+    """One process: the random model saved (plus an MTP tensor), imported with --check; transformers' logits."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import convert_hf
+
+    from training.interop.hf import check_tokens, reference_logits
+
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**ARCH))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.2)
+    hf_dir = Path(root) / "hf"
+    model.save_pretrained(str(hf_dir))
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    save_file({**tensors, MTP: torch.zeros(4, 4)}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokens = check_tokens(VOCAB, ARCH["max_position_embeddings"])
+    cli = convert_main(convert_hf, ["import", "--hf-dir", str(hf_dir), "--out", f"{root}/ckpt", "--check",
+                                    "--preset-out", f"{root}/conf/model/hf_deepseek.yaml"])
+    return {"tokens": tokens, "cli": cli, "reference": reference_logits(hf_dir, tokens)}
+
+
+def _at_tp2(root: str, tokens: torch.Tensor) -> dict:
+    jobs = [(label, f"{root}/conf", f"{root}/ckpt", ["model=hf_deepseek", *extra])
+            for label, extra in (("tp2", ["parallel.tp=2"]), ("tp2-sp", ["parallel.tp=2", "parallel.sp=true"]))]
+    return logits_at_layouts(jobs, tokens)
+
+
+def _export(root: str):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import convert_hf
+
+    return convert_main(convert_hf, ["export", "--ckpt", f"{root}/ckpt", "--out", f"{root}/exported", "--check",
+                                     "--tolerance", str(TOLERANCE)])
+
+
+def test_deepseek_v3_imports_runs_at_tp2_and_exports_with_transformers_logits(tmp_path):
+    root = str(tmp_path)
+    (imported,) = run_distributed(_import, 1, (root,), timeout=600)
+    code, output, errors = imported["cli"]
+    assert code == 0, output + errors
+    assert "skipped: num_nextn_predict_layers=1" in output
+    diffs = {"tp1": relative_diff(output)}
+    ranks = run_distributed(_at_tp2, 2, (root, imported["tokens"]), timeout=600)
+    reference = imported["reference"]
+    for label in ("tp2", "tp2-sp"):
+        got = [r[label] for r in ranks]
+        assert torch.equal(got[0], got[1]), label
+        diffs[label] = ((got[0] - reference).abs().max() / reference.abs().max()).item()
+    print(f"relative logits diff vs transformers: {diffs}")
+    assert all(d <= TOLERANCE for d in diffs.values()), diffs
+    preset = (tmp_path / "conf" / "model" / "hf_deepseek.yaml").read_text()
+    assert "attention: mla" in preset and "  q_lora_rank: 24" in preset and "  mscale_all_dim: 0.6" in preset
+
+    (code, output, errors) = run_distributed(_export, 1, (root,), timeout=600)[0]
+    assert code == 0 and relative_diff(output) <= TOLERANCE, output + errors
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    original = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rope_parameters"].pop("truncate", True) is True  # export writes YaRN's default out
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "rope_parameters", "num_key_value_heads", "rope_interleave", "max_position_embeddings"):
+        assert config.get(key) == original.get(key), (key, config.get(key), original.get(key))
