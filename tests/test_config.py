@@ -59,7 +59,7 @@ INVALID = {
     "integer-field": (["train.iters=ten"], 1,
                       "train.iters: Value 'ten' of type 'str' could not be converted to Integer"),
     "unknown-block": (["model.mlp=sparse"], 1,
-                      "model.mlp=sparse: unknown block 'sparse': use one of self_attention, mlp, gated_mlp, moe"),
+                      "model.mlp=sparse: unknown block 'sparse': use one of self_attention, mlp, gated_mlp, mla, moe"),
     "moe-by-name": (["model.mlp=moe"], 1, "model.mlp=moe: MoE layers come from model.moe.num_experts"),
     "ep-without-moe": (["parallel.ep=2"], 2,
                        "parallel.ep=2 / parallel.etp=1 split experts: they need a mixture-of-experts model"),
