@@ -69,6 +69,12 @@ class MoEConfig:
     dense_layers: list[int] = field(default_factory=list)  # 0-based layers also kept dense (HF mlp_only_layers)
     capacity_factor: Optional[float] = None  # drop tokens beyond this x an expert's mean load; null = none
     grouped_gemm: bool = False  # Transformer Engine's grouped GEMM experts (TEGroupedMLP); needs TE
+    # DeepSeek-V3's router (Megatron-Core's TopKRouter fields); all off: Mixtral's / Qwen's routing
+    router_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias, updated from the load (sigmoid)
+    router_bias_update_rate: float = 1e-3  # the bias's step: rate * sign(mean load - load) (DeepSeek-V3's 1e-3)
+    router_num_groups: Optional[int] = None  # group-limited routing: n equal expert groups (HF n_group); null = none
+    router_group_topk: Optional[int] = None  # groups a token's experts may come from (HF topk_group); null = all
+    router_topk_scaling_factor: Optional[float] = None  # routed weights times this (HF routed_scaling_factor); null = 1
 
 
 @dataclass

@@ -128,6 +128,11 @@ def moe_settings(cfg: Config, shape: ModelShape) -> dict:
         moe_grouped_gemm=moe.grouped_gemm,
         # the router in fp32 (its softmax and top-k decide which expert a token goes to, also under bf16)
         moe_router_dtype="fp32",
+        # DeepSeek-V3's: the expert-bias correction (updated in finalize_model_grads from the load summed over
+        # TP x CP x DP), group-limited top-k, the routed weights' scale (sigmoid: top-k renormalised when k > 1)
+        moe_router_enable_expert_bias=moe.router_expert_bias, moe_router_bias_update_rate=moe.router_bias_update_rate,
+        moe_router_num_groups=moe.router_num_groups, moe_router_group_topk=moe.router_group_topk,
+        moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
     )
 
 
