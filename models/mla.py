@@ -148,7 +148,8 @@ class MLA(MegatronModule):
         kv = 2 * h * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank * heads * (
             m.qk_nope_head_dim + m.v_head_dim)
         scores = 2 * attended_keys(shape) * heads * (m.qk_head_dim + m.v_head_dim)  # q k^T, probs v
-        return q + kv + scores + 2 * heads * m.v_head_dim * h
+        norms = 2 * ((m.q_lora_rank or 0) + m.kv_lora_rank)  # the latents' norms, as Megatron-LM's MLA formula
+        return q + kv + scores + norms + 2 * heads * m.v_head_dim * h
 
     @staticmethod
     def activation_bytes(shape: ModelShape, split: Split, act: ActivationContext) -> float:

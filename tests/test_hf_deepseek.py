@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from hf_interop import ROOT, VOCAB, convert_main, logits_at_layouts, relative_diff
+from hf_interop import ROOT, VOCAB, convert_main, logits_at_layouts, meta_parameter_count, relative_diff
 
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
     pytest.skip("needs the hf extra: pip install -e '.[hf]'", allow_module_level=True)
@@ -99,3 +99,50 @@ def test_deepseek_v3_imports_runs_at_tp2_and_exports_with_transformers_logits(tm
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "rope_parameters", "num_key_value_heads", "rope_interleave", "max_position_embeddings"):
         assert config.get(key) == original.get(key), (key, config.get(key), original.get(key))
+
+
+# The published config.json of each model (the fields that set the shape), as on the Hugging Face Hub
+V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+          num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+          routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+          qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+          norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+          rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                               beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+PUBLISHED = {
+    "deepseek_v3": V3,
+    "moonlight_16b_a3b": dict(
+        V3, vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+        routed_scaling_factor=2.446, q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=6,
+        first_k_dense_replace=1, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="default", rope_theta=50000.0)),
+    "kimi_k2": dict(
+        V3, vocab_size=163840, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
+        routed_scaling_factor=2.827, n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=4096,
+                             beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+}
+
+
+@pytest.mark.fast
+def test_presets_have_transformers_parameter_counts():
+    """conf/model's DeepSeek-V3, Moonlight and Kimi K2: the planner's count (summed from the blocks' declarations)
+    equals transformers' DeepseekV3 model built on the meta device from the published config.json (671.0 B,
+    16.0 B, 1.03 T), and the preset's MLA sizes and MoE routing are config.json's."""
+    from models.gpt import num_params
+    from models.shape import ModelShape
+    from training.config.compose import compose
+
+    for preset, published in PUBLISHED.items():
+        model = compose([f"model={preset}"]).model
+        shape = ModelShape.of(model)
+        assert num_params(shape) == meta_parameter_count("DeepseekV3Config", published), preset
+        assert {k: getattr(shape.mla, k) for k in ARCH if hasattr(shape.mla, k)} == \
+            {k: published[k] for k in ARCH if hasattr(shape.mla, k)}, preset
+        moe = model.moe
+        assert (moe.num_experts, moe.top_k, moe.ffn_hidden_size, moe.first_dense, moe.router_topk_scaling_factor) == (
+            published["n_routed_experts"], published["num_experts_per_tok"], published["moe_intermediate_size"],
+            published["first_k_dense_replace"], published["routed_scaling_factor"]), preset
+        assert moe.shared_expert_ffn_hidden_size == published["moe_intermediate_size"] * published["n_shared_experts"]
+        assert (moe.router_num_groups or 1, moe.router_group_topk or 1) == (published["n_group"], published["topk_group"])
