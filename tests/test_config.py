@@ -53,7 +53,7 @@ INVALID = {
     "comma-value": (["data.split=98,2,0"], 1, "data.split=98,2,0: a value with commas needs quotes (text, as "
                                               "data.split: \"data.split='98,2,0'\") or brackets"),
     "unknown-group-option": (["model=lama"], 1, "model=lama: no such config in conf/model/ (did you mean llama_1b? "
-                                                "choose from gemma2_27b, gemma2_2b,"),
+                                                "choose from deepseek_v3, gemma2_27b,"),
     "unknown-key": (["model.num_experts=8"], 1,
                     "unknown key 'model.num_experts' (did you mean model.moe.num_experts?)"),
     "integer-field": (["train.iters=ten"], 1,
@@ -70,6 +70,10 @@ INVALID = {
                                "world size 2 is not divisible by parallel.pp * ep * etp = 1 * 4 * 1 = 4"),
     "moe-tp-needs-sp": (["model=moe_tiny", "parallel.tp=2"], 2,
                         "a mixture of experts with parallel.tp=2 needs parallel.sp=true"),
+    "router-bias-softmax": (["model=moe_tiny", "model.moe.router_expert_bias=true"], 1,
+                            "model.moe.router_expert_bias=true needs model.moe.score_function=sigmoid (is softmax)"),
+    "router-groups": (["model=moe_tiny", "model.moe.router_num_groups=3", "model.moe.router_group_topk=1"], 1,
+                      "model.moe.router_num_groups=3 and router_group_topk=1: both or neither; the 8 experts"),
     "moe-top-k": (["model=moe_tiny", "model.moe.top_k=9"], 1,
                   "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"),
     "moe-bias": (["model=moe_tiny", "model.add_bias_linear=true"], 1,
