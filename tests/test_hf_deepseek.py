@@ -1,10 +1,12 @@
 """DeepSeek-V3 (model_type deepseek_v3) end to end through tools/convert_hf.py: a small random model built and saved by
 transformers' own classes (multi-latent attention with q low-rank, v_head_dim != the q/k head dim, DeepSeek's
-interleaved RoPE rows, YaRN with mscale != mscale_all_dim, dense layers; a multi-token prediction layer's tensor in
-the checkpoint) is imported (--check: transformers' logits within 1e-5), gives the same logits at tp2 and tp2 + sp,
+interleaved RoPE rows, YaRN with mscale != mscale_all_dim; the first layer dense, then 4 experts top-2 from 1 of 2
+groups with the expert-bias correction, x 2.5, a shared expert; a multi-token prediction layer's tensor in the
+checkpoint) is imported (--check: transformers' logits within 1e-5), gives the same logits at tp2 and tp2 + sp,
 and exports (--check: the exported model's logits in transformers equal ours) as a DeepseekV3Config.
 
-Every norm weight is random (transformers initialises them to 1). fp32; logits compared as max |diff| / max |logit|.
+Every norm weight and the expert bias are random (transformers initialises them to 1 and 0). fp32; logits compared
+as max |diff| / max |logit|. The presets' parameter counts: the last test.
 """
 
 import importlib.util
@@ -24,8 +26,10 @@ TOLERANCE = 1e-5
 LAYERS = 2
 ARCH = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
             num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
-            qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=LAYERS, n_routed_experts=4,
-            num_nextn_predict_layers=1, rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=False,
+            qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, num_nextn_predict_layers=1, rms_norm_eps=1e-6, max_position_embeddings=128,
+            tie_word_embeddings=False,
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.6,
                              "original_max_position_embeddings": 16})
@@ -48,6 +52,9 @@ def _import(root: str) -> dict:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.2)
+        for name, bias in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change which experts win
+                bias.normal_(0.0, 0.3)
     hf_dir = Path(root) / "hf"
     model.save_pretrained(str(hf_dir))
     tensors = load_file(str(hf_dir / "model.safetensors"))
@@ -97,13 +104,16 @@ def test_deepseek_v3_imports_runs_at_tp2_and_exports_with_transformers_logits(tm
     original = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["rope_parameters"].pop("truncate", True) is True  # export writes YaRN's default out
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "rope_parameters", "num_key_value_heads", "rope_interleave", "max_position_embeddings"):
+                "rope_parameters", "num_key_value_heads", "rope_interleave", "max_position_embeddings",
+                "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "n_shared_experts",
+                "first_k_dense_replace", "routed_scaling_factor", "moe_intermediate_size", "intermediate_size"):
         assert config.get(key) == original.get(key), (key, config.get(key), original.get(key))
 
 
 # The published config.json of each model (the fields that set the shape), as on the Hugging Face Hub
-V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-          num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+          num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+          n_routed_experts=256,
           routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
           qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
           norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -145,4 +155,5 @@ def test_presets_have_transformers_parameter_counts():
             published["n_routed_experts"], published["num_experts_per_tok"], published["moe_intermediate_size"],
             published["first_k_dense_replace"], published["routed_scaling_factor"]), preset
         assert moe.shared_expert_ffn_hidden_size == published["moe_intermediate_size"] * published["n_shared_experts"]
-        assert (moe.router_num_groups or 1, moe.router_group_topk or 1) == (published["n_group"], published["topk_group"])
+        groups = (moe.router_num_groups or 1, moe.router_group_topk or 1)
+        assert groups == (published["n_group"], published["topk_group"]), preset

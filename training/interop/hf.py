@@ -143,10 +143,20 @@ def write_safetensors(items, directory: Path, max_shard_bytes: int, progress=Non
 
 # ---- weights into / out of a built GPT (one process, tp=1, pp=1) ----------------------------------------------
 
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of `module` by name: its parameters and its persistent buffers (DeepSeek's router
+    expert bias, Megatron-Core's `expert_bias`: updated from the load, not by the optimizer)."""
+    named = dict(module.named_parameters())
+    for prefix, mod in module.named_modules():
+        named.update({f"{prefix}.{n}" if prefix else n: b for n, b in mod._buffers.items()
+                      if b is not None and n not in mod._non_persistent_buffers_set})
+    return named
+
+
 def load_hf_weights(state: TrainState, get) -> int:
     """Copy HF tensors (get(name)) into this single-process model, every parameter exactly once; returns count."""
     gpt = unwrap(state.model[0])
-    params = dict(gpt.named_parameters())
+    params = weights_of(gpt)
     count = 0
     with torch.no_grad():
         config = _with_family(gpt.config, getattr(get, "family", None))
@@ -167,7 +177,7 @@ def load_hf_weights(state: TrainState, get) -> int:
 def hf_tensors(state: TrainState):
     """(HF name, full tensor) for every weight of this single-process model, vocab padding dropped."""
     gpt = unwrap(state.model[0])
-    params = dict(gpt.named_parameters())
+    params = weights_of(gpt)
     config = _with_family(gpt.config, family(state.shape))  # the family export writes (hf_config.family)
     return _hf_errors(gpt_module.to_hf, lambda name: params[name].detach(), config, state.shape)
 

@@ -8,6 +8,7 @@
     qwen3_moe   Qwen3's attention; MoE layers by decoder_sparse_step / mlp_only_layers moe.*, moe.dense_layers
     gemma2, gemma3_text, olmo2, phi3: training/interop/hf_families.py (sandwich / post norms, soft-caps, windows
                 per layer, whole-projection QK-norm, fused Phi-3 projections)
+    deepseek_v3 multi-latent attention, DeepSeek's router and shared experts: training/interop/hf_deepseek.py
 
 Import (`model_fields`) refuses what the template cannot express, naming the field and its value as the
 checkpoint holds it; export (`hf_config`) writes the family's own config class, picked from the model's
@@ -151,7 +152,7 @@ def _export_problems(shape, kind: str) -> dict:
         checks.append(("model.add_bias_linear", shape.add_bias_linear, False))
     if kind == "qwen2":  # Qwen2's head dim is hidden_size / heads
         checks.append(("model.kv_channels", shape.kv_channels, shape.hidden_size // shape.num_attention_heads))
-    if shape.num_experts:
+    if shape.num_experts and kind != hf_deepseek.FAMILY:  # DeepSeek's: sigmoid, shared experts
         checks += [("model.moe.shared_expert_ffn_hidden_size", shape.moe_shared_ffn_hidden_size, None),
                    ("model.moe.score_function", shape.moe_score_function, "softmax")]
     if kind == "mixtral":
@@ -180,7 +181,7 @@ def hf_config(shape, model, precision: str):
         eos_token_id=None, **{dtype_key: "bfloat16" if precision == "bf16" else "float32"})
     common.update(hf_rope.export_fields(shape, kind))  # rope_theta, rope_scaling, partial rotary, a local base
     if kind == hf_deepseek.FAMILY:
-        return hf_deepseek.hf_config(transformers, shape, {**common, "intermediate_size": shape.ffn_hidden_size})
+        return hf_deepseek.hf_config(transformers, shape, model, {**common, "intermediate_size": shape.ffn_hidden_size})
     if kind in hf_families.FAMILIES:  # Gemma 2 / 3, OLMo 2, Phi-3
         return hf_families.hf_config(transformers, shape, kind, {**common, "intermediate_size": shape.ffn_hidden_size})
     if kind == "mixtral":
