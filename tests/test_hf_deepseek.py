@@ -2,7 +2,7 @@
 transformers' own classes (multi-latent attention with q low-rank, v_head_dim != the q/k head dim, DeepSeek's
 interleaved RoPE rows, YaRN with mscale != mscale_all_dim; the first layer dense, then 4 experts top-2 from 1 of 2
 groups with the expert-bias correction, x 2.5, a shared expert; a multi-token prediction layer's tensor in the
-checkpoint) is imported (--check: transformers' logits within 1e-5), gives the same logits at tp2 and tp2 + sp,
+checkpoint) is imported (--check: transformers' logits within 1e-5), gives the same logits at tp2, tp2 + sp and ep2,
 and exports (--check: the exported model's logits in transformers equal ours) as a DeepseekV3Config.
 
 Every norm weight and the expert bias are random (transformers initialises them to 1 and 0). fp32; logits compared
@@ -67,7 +67,8 @@ def _import(root: str) -> dict:
 
 def _at_tp2(root: str, tokens: torch.Tensor) -> dict:
     jobs = [(label, f"{root}/conf", f"{root}/ckpt", ["model=hf_deepseek", *extra])
-            for label, extra in (("tp2", ["parallel.tp=2"]), ("tp2-sp", ["parallel.tp=2", "parallel.sp=true"]))]
+            for label, extra in (("tp2", ["parallel.tp=2"]), ("tp2-sp", ["parallel.tp=2", "parallel.sp=true"]),
+                                 ("ep2", ["parallel.ep=2"]))]
     return logits_at_layouts(jobs, tokens)
 
 
@@ -88,7 +89,7 @@ def test_deepseek_v3_imports_runs_at_tp2_and_exports_with_transformers_logits(tm
     diffs = {"tp1": relative_diff(output)}
     ranks = run_distributed(_at_tp2, 2, (root, imported["tokens"]), timeout=600)
     reference = imported["reference"]
-    for label in ("tp2", "tp2-sp"):
+    for label in ("tp2", "tp2-sp", "ep2"):
         got = [r[label] for r in ranks]
         assert torch.equal(got[0], got[1]), label
         diffs[label] = ((got[0] - reference).abs().max() / reference.abs().max()).item()
