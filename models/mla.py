@@ -20,7 +20,9 @@ finalize_model_grads sums their gradients over TP; without SP on every token, th
 all-reduce makes their gradients whole). k_pe, shared by every head, enters the heads through the TP mappings a
 column layer uses: all-gathered along s under SP (backward: reduce-scatter), else copied (backward: all-reduce).
 The latents' norms use eps 1e-6, transformers' DeepseekV3RMSNorm default (they do not read rms_norm_eps).
-No KV cache yet (generation refuses it): the plan is to cache the latent and k_pe, as inference engines do.
+Generation's KV cache (models/kv_cache.py) holds the normalised K/V latent and the rotated k_pe, as inference
+engines do (kv_lora_rank + rope values a token instead of np * (nope + rope + v)); every step expands the cached
+latents again through linear_kv_up_proj (the weight-absorbed form, which skips that, is not done).
 """
 
 import math
@@ -99,9 +101,8 @@ class MLA(MegatronModule):
 
     def forward(self, x: torch.Tensor, rotary_freqs: torch.Tensor | None, cache=None,
                 attention_mask: torch.Tensor | None = None):
-        """x [s(/tp), b, h]; rotary_freqs [s, 1, 1, rope]; attention_mask: packed sequences' (None: causal)."""
-        if cache is not None:
-            raise NotImplementedError("model.attention=mla has no KV cache yet: generate without a cache")
+        """x [s(/tp), b, h]; rotary_freqs [s, 1, 1, rope] (with a cache: [s, b, 1, rope], each token's position);
+        cache: generation's latents so far (models/kv_cache.py); attention_mask: packed sequences' (None: causal)."""
         m = self.m
         if m.q_lora_rank:
             latent_q, _ = self.linear_q_down_proj(x)  # [s(/tp), b, q_lora_rank] (SP: this rank's tokens)
@@ -113,18 +114,24 @@ class MLA(MegatronModule):
         q_nope, q_pe = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         kv, _ = self.linear_kv_down_proj(x)  # [s(/tp), b, kv_lora_rank + rope]
         latent, k_pe = torch.split(kv, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))  # [s, b, np/tp * (nope + v)]
-        kv = kv.view(s, b, self.local_heads, m.qk_nope_head_dim + m.v_head_dim)  # [s, b, np/tp, nope + v]
-        k_nope, v = torch.split(kv, [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        latent = self.kv_layernorm(latent)  # [s(/tp), b, kv_lora_rank]
         if self.split_tp:  # every rank's heads read every token's k_pe (module docstring)
             k_pe = (gather_from_sequence_parallel_region(k_pe) if self.config.sequence_parallel
                     else copy_to_tensor_model_parallel_region(k_pe))  # [s, b, rope]
         k_pe = k_pe.unsqueeze(2)  # [s, b, 1, rope]: one head, shared
         if rotary_freqs is not None:  # [s, 1, 1, rope]
             q_pe, k_pe = self._rope(q_pe, k_pe, rotary_freqs)
+        if cache is not None:  # every position so far: [length + s, b, kv_lora_rank], [length + s, b, 1, rope]
+            latent, k_pe = cache.store(self.layer_number, latent, k_pe)
+        kv, _ = self.linear_kv_up_proj(latent)  # [s_k, b, np/tp * (nope + v)]
+        s_k = kv.shape[0]
+        kv = kv.view(s_k, b, self.local_heads, m.qk_nope_head_dim + m.v_head_dim)  # [s_k, b, np/tp, nope + v]
+        k_nope, v = torch.split(kv, [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)  # [s, b, np/tp, nope + rope]
-        k = torch.cat((k_nope, k_pe.expand(s, b, self.local_heads, m.qk_rope_head_dim)), dim=-1)  # same
-        if self.selective_recompute and self.training:  # keep only q, k, v; redo attention in backward
+        k = torch.cat((k_nope, k_pe.expand(s_k, b, self.local_heads, m.qk_rope_head_dim)), dim=-1)  # [s_k, ...]
+        if cache is not None:
+            out = self.core_attention(q, k, v, mask=cache.mask(s))
+        elif self.selective_recompute and self.training:  # keep only q, k, v; redo attention in backward
             out = tensor_parallel.checkpoint(self.core_attention, False, q, k, v, attention_mask)
         else:
             out = self.core_attention(q, k, v, mask=attention_mask)  # [s, b, np/tp * v_head_dim]

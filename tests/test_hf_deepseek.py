@@ -3,7 +3,8 @@ transformers' own classes (multi-latent attention with q low-rank, v_head_dim !=
 interleaved RoPE rows, YaRN with mscale != mscale_all_dim; the first layer dense, then 4 experts top-2 from 1 of 2
 groups with the expert-bias correction, x 2.5, a shared expert; a multi-token prediction layer's tensor in the
 checkpoint) is imported (--check: transformers' logits within 1e-5), gives the same logits at tp2, tp2 + sp and ep2,
-and exports (--check: the exported model's logits in transformers equal ours) as a DeepseekV3Config.
+decodes greedily at tp2 (MLA's latent KV cache) token for token as transformers' generate(), and exports
+(--check: the exported model's logits in transformers equal ours) as a DeepseekV3Config.
 
 Every norm weight and the expert bias are random (transformers initialises them to 1 and 0). fp32; logits compared
 as max |diff| / max |logit|. The presets' parameter counts: the last test.
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from hf_interop import ROOT, VOCAB, convert_main, logits_at_layouts, meta_parameter_count, relative_diff
+from hf_interop import (NEW, PROMPTS, ROOT, VOCAB, convert_main, greedy_at_tp2, logits_at_layouts,
+                        meta_parameter_count, relative_diff)
 
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
     pytest.skip("needs the hf extra: pip install -e '.[hf]'", allow_module_level=True)
@@ -60,23 +62,27 @@ def _import(root: str) -> dict:
     tensors = load_file(str(hf_dir / "model.safetensors"))
     save_file({**tensors, MTP: torch.zeros(4, 4)}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
     tokens = check_tokens(VOCAB, ARCH["max_position_embeddings"])
-    cli = convert_main(convert_hf, ["import", "--hf-dir", str(hf_dir), "--out", f"{root}/ckpt", "--check",
+    cli = convert_main(convert_hf, ["import", "--hf-dir", str(hf_dir), "--out", f"{root}/ckpt_deepseek", "--check",
                                     "--preset-out", f"{root}/conf/model/hf_deepseek.yaml"])
-    return {"tokens": tokens, "cli": cli, "reference": reference_logits(hf_dir, tokens)}
+    model.eval()
+    generated = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+                 [0, len(p):].tolist() for p in PROMPTS]
+    return {"tokens": tokens, "cli": cli, "reference": reference_logits(hf_dir, tokens), "generated": generated}
 
 
 def _at_tp2(root: str, tokens: torch.Tensor) -> dict:
-    jobs = [(label, f"{root}/conf", f"{root}/ckpt", ["model=hf_deepseek", *extra])
+    jobs = [(label, f"{root}/conf", f"{root}/ckpt_deepseek", ["model=hf_deepseek", *extra])
             for label, extra in (("tp2", ["parallel.tp=2"]), ("tp2-sp", ["parallel.tp=2", "parallel.sp=true"]),
                                  ("ep2", ["parallel.ep=2"]))]
-    return logits_at_layouts(jobs, tokens)
+    return {"logits": logits_at_layouts(jobs, tokens), "generated": greedy_at_tp2(root, ["deepseek"])["deepseek"]}
 
 
 def _export(root: str):
     sys.path.insert(0, str(ROOT / "tools"))
     import convert_hf
 
-    return convert_main(convert_hf, ["export", "--ckpt", f"{root}/ckpt", "--out", f"{root}/exported", "--check",
+    return convert_main(convert_hf, ["export", "--ckpt", f"{root}/ckpt_deepseek", "--out", f"{root}/exported", "--check",
                                      "--tolerance", str(TOLERANCE)])
 
 
@@ -90,11 +96,13 @@ def test_deepseek_v3_imports_runs_at_tp2_and_exports_with_transformers_logits(tm
     ranks = run_distributed(_at_tp2, 2, (root, imported["tokens"]), timeout=600)
     reference = imported["reference"]
     for label in ("tp2", "tp2-sp", "ep2"):
-        got = [r[label] for r in ranks]
+        got = [r["logits"][label] for r in ranks]
         assert torch.equal(got[0], got[1]), label
         diffs[label] = ((got[0] - reference).abs().max() / reference.abs().max()).item()
     print(f"relative logits diff vs transformers: {diffs}")
     assert all(d <= TOLERANCE for d in diffs.values()), diffs
+    # greedy decoding at tp2 through the latent KV cache = transformers' generate()
+    assert ranks[0]["generated"] == ranks[1]["generated"] == imported["generated"]
     preset = (tmp_path / "conf" / "model" / "hf_deepseek.yaml").read_text()
     assert "attention: mla" in preset and "  q_lora_rank: 24" in preset and "  mscale_all_dim: 0.6" in preset
 
