@@ -3,8 +3,9 @@ transformers' own classes (multi-latent attention with q low-rank, v_head_dim !=
 interleaved RoPE rows, YaRN with mscale != mscale_all_dim; the first layer dense, then 4 experts top-2 from 1 of 2
 groups with the expert-bias correction, x 2.5, a shared expert; a multi-token prediction layer's tensor in the
 checkpoint) is imported (--check: transformers' logits within 1e-5), gives the same logits at tp2, tp2 + sp and ep2,
-decodes greedily at tp2 (MLA's latent KV cache) token for token as transformers' generate(), and exports
-(--check: the exported model's logits in transformers equal ours) as a DeepseekV3Config.
+decodes greedily at tp2 (MLA's latent KV cache) token for token as transformers' generate(), fine-tunes 3 steps
+at tp2 x ep2 (the expert bias updated from the load), and exports that (--check: the exported model's logits in
+transformers equal ours) as a DeepseekV3Config.
 
 Every norm weight and the expert bias are random (transformers initialises them to 1 and 0). fp32; logits compared
 as max |diff| / max |logit|. The presets' parameter counts: the last test.
@@ -82,7 +83,7 @@ def _export(root: str):
     sys.path.insert(0, str(ROOT / "tools"))
     import convert_hf
 
-    return convert_main(convert_hf, ["export", "--ckpt", f"{root}/ckpt_deepseek", "--out", f"{root}/exported", "--check",
+    return convert_main(convert_hf, ["export", "--ckpt", f"{root}/run/tuned", "--out", f"{root}/exported", "--check",
                                      "--tolerance", str(TOLERANCE)])
 
 
@@ -106,8 +107,27 @@ def test_deepseek_v3_imports_runs_at_tp2_and_exports_with_transformers_logits(tm
     preset = (tmp_path / "conf" / "model" / "hf_deepseek.yaml").read_text()
     assert "attention: mla" in preset and "  q_lora_rank: 24" in preset and "  mscale_all_dim: 0.6" in preset
 
+    # 3 fine-tuning steps at tp2 x ep2 (+ sp: MoE under TP), the expert bias updated each step, then exported
+    from runs import QUICK, _train
+
+    run_distributed(_train, 4, ([f"hydra.searchpath=[file://{root}/conf]", "model=hf_deepseek", *QUICK,
+                                 f"model.num_layers={LAYERS}", "parallel.tp=2", "parallel.sp=true", "parallel.ep=2",
+                                 f"checkpoint.load={root}/ckpt_deepseek", "checkpoint.finetune=true",
+                                 "train.iters=3", "checkpoint.dir=tuned", "optim.lr=1e-2",
+                                 "model.moe.router_bias_update_rate=0.05"], f"{root}/run"), timeout=600)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
     (code, output, errors) = run_distributed(_export, 1, (root,), timeout=600)[0]
     assert code == 0 and relative_diff(output) <= TOLERANCE, output + errors
+    assert "saved at tp/pp 2/1, iteration 3" in output  # resharded from tp2 x ep2 to one process
+    from safetensors.torch import load_file
+
+    biases = [t for n, t in load_file(str(tmp_path / "exported" / "model.safetensors")).items()
+              if n.endswith("e_score_correction_bias")]
+    original = [t for n, t in load_file(str(tmp_path / "hf" / "model.safetensors")).items()
+                if n.endswith("e_score_correction_bias")]
+    assert len(biases) == LAYERS - 1 and not torch.equal(biases[0], original[0])  # updated from the load, exported
     config = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
     original = json.loads((tmp_path / "hf" / "config.json").read_text())
