@@ -34,13 +34,14 @@ class KVCache:
         return (steps[None, :] - self.pad[:, None]).clamp(min=0)
 
     def store(self, layer_number: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [new, b, ng/tp, hn] for this layer; returns all of them so far, [length + new, b, ...]."""
+        """Append k, v [new, b, ng/tp, hn] (any two tensors [new, b, ...]) for this layer; returns all of them so
+        far, [length + new, b, ...]."""
         new = k.shape[0]
         if self.length + new > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} positions: {self.length} + {new} do not fit")
-        if layer_number not in self.layers:
-            shape = (self.max_length, *k.shape[1:])
-            self.layers[layer_number] = (k.new_empty(shape), v.new_empty(shape))
+        if layer_number not in self.layers:  # each its own width (MLA caches its latent and k_pe: models/mla.py)
+            self.layers[layer_number] = (k.new_empty(self.max_length, *k.shape[1:]),
+                                         v.new_empty(self.max_length, *v.shape[1:]))
         keys, values = self.layers[layer_number]
         keys[self.length:self.length + new] = k
         values[self.length:self.length + new] = v

@@ -151,16 +151,23 @@ class MoE(MoELayer):
     # gpt-oss (config.hf_family, set by training/interop/hf.py) keeps its experts fused on disk too, with biases and
     # gate / up interleaved: gate_up_proj [E, h, 2*ffn] (x @ W: transposed), columns 0::2 the gate, 1::2 the up;
     # gate_up_proj_bias [E, 2*ffn] the same; down_proj [E, ffn, h], down_proj_bias [E, h]; the router's bias.
+    # DeepSeek-V3 (multi-latent attention: config.mla): Qwen3-MoE's names, the router's expert bias
+    # `gate.e_score_correction_bias` (Megatron-Core's `expert_bias` buffer), the shared expert `shared_experts`.
     @staticmethod
     def hf_name(config: TransformerConfig) -> str:
-        return "mlp" if config.qk_layernorm or _gpt_oss(config) else "block_sparse_moe"
+        return "mlp" if config.qk_layernorm or _gpt_oss(config) or getattr(config, "mla", None) is not None \
+            else "block_sparse_moe"
 
     @staticmethod
     def from_hf(get, config: TransformerConfig) -> dict[str, torch.Tensor]:
         if _gpt_oss(config):
             return _from_gpt_oss(get, config)
         gate, up, down = _hf_expert_names(config)
-        out = {"router.weight": get("gate.weight")}
+        out = {"router.weight": get("gate.weight"), **{ours: get(hf) for ours, hf in _deepseek(config)}}
+        if config.moe_shared_expert_intermediate_size:  # [gate; up] as the experts'
+            out["shared_experts.linear_fc1.weight"] = torch.cat([get(f"shared_experts.{gate}.weight"),
+                                                                 get(f"shared_experts.{up}.weight")])
+            out["shared_experts.linear_fc2.weight"] = get(f"shared_experts.{down}.weight")
         for j in range(config.num_moe_experts):
             ours = f"experts.local_experts.{j}."
             out[ours + "linear_fc1.weight"] = torch.cat([get(f"experts.{j}.{gate}.weight"),
@@ -173,13 +180,22 @@ class MoE(MoELayer):
         if _gpt_oss(config):
             return _to_gpt_oss(get, config)
         gate, up, down = _hf_expert_names(config)
-        out = {"gate.weight": get("router.weight")}
+        out = {"gate.weight": get("router.weight"), **{hf: get(ours) for ours, hf in _deepseek(config)}}
+        if config.moe_shared_expert_intermediate_size:
+            out[f"shared_experts.{gate}.weight"], out[f"shared_experts.{up}.weight"] = torch.chunk(
+                get("shared_experts.linear_fc1.weight"), 2)
+            out[f"shared_experts.{down}.weight"] = get("shared_experts.linear_fc2.weight")
         for j in range(config.num_moe_experts):
             ours = f"experts.local_experts.{j}."
             out[f"experts.{j}.{gate}.weight"], out[f"experts.{j}.{up}.weight"] = torch.chunk(
                 get(ours + "linear_fc1.weight"), 2)  # [ffn, h] each
             out[f"experts.{j}.{down}.weight"] = get(ours + "linear_fc2.weight")
         return out
+
+
+def _deepseek(config: TransformerConfig) -> list[tuple[str, str]]:
+    """(ours, HF's) router expert bias, when the router has one."""
+    return [("router.expert_bias", "gate.e_score_correction_bias")] if config.moe_router_enable_expert_bias else []
 
 
 def _hf_expert_names(config: TransformerConfig) -> tuple[str, str, str]:

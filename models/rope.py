@@ -28,6 +28,8 @@ LENGTH_DEPENDENT = ("dynamic", "longrope")  # their inv_freq depends on the forw
 
 
 def rotary_dim(shape: ModelShape) -> int:
+    if shape.mla is not None:  # multi-latent attention rotates its decoupled qk_rope_head_dim part only
+        return shape.mla.qk_rope_head_dim
     return int(shape.kv_channels * shape.partial_rotary_factor)
 
 

@@ -69,6 +69,21 @@ class RopeScaling:
     long_factor: tuple[float, ...] | None = None
 
 
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention's sizes (models/mla.py; their meaning: training/config/schema_model.py MLAConfig)."""
+
+    q_lora_rank: int | None  # None: one plain q projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:  # a q (and k) head: its plain part, then its rotated part
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's rule: a multiple of divisible_by * tp, so every TP rank holds an equal, aligned shard."""
     multiple = divisible_by * tp
@@ -121,6 +136,8 @@ class ModelShape:
     final_logit_softcap: float | None = _tag(NUMERICS)  # Gemma 2's cap * tanh(logits / cap); None: none
     query_pre_attn_scalar: float | None = _tag(NUMERICS)  # softmax scale = this ** -0.5; None: 1/sqrt(kv_channels)
     attention_sinks: bool = _tag(WEIGHTS)  # gpt-oss's learned per-head logit in the softmax denominator
+    mla: MLAShape | None = _tag(WEIGHTS, "attention", *(f"mla.{k}" for k in (
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")))  # None: not MLA
     seq_length: int = _tag(RUN)  # also the learned-positions table size
     make_vocab_size_divisible_by: int = _tag(RUN)
 
@@ -158,6 +175,7 @@ class ModelShape:
             final_logit_softcap=_optional_float(model, "final_logit_softcap"),
             query_pre_attn_scalar=_optional_float(model, "query_pre_attn_scalar"),
             attention_sinks=bool(getattr(model, "attention_sinks", False)),
+            mla=_mla(model),
             seq_length=model.seq_length, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
     # ---- derived sizes ----------------------------------------------------------------------------------
@@ -222,6 +240,14 @@ def _is_moe_layer(moe, number: int) -> bool:
     except the 0-based indices in moe.dense_layers (Hugging Face's mlp_only_layers)."""
     return (bool(moe.num_experts) and number > moe.first_dense and (number - moe.first_dense - 1) % moe.layer_freq == 0
             and number - 1 not in moe.dense_layers)
+
+
+def _mla(model) -> MLAShape | None:
+    """Multi-latent attention's sizes when the layers' attention is models/mla.py's (model.attention=mla)."""
+    if str(model.attention) not in ("mla", "models.mla:MLA"):
+        return None
+    m = model.mla
+    return MLAShape(m.q_lora_rank or None, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
 
 
 def _layer_types(model) -> tuple[str, ...]:

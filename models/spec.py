@@ -44,6 +44,7 @@ BLOCKS = {
     "self_attention": "models.attention:SelfAttention",  # fused-QKV GQA, RoPE, SDPA
     "mlp": "models.mlp:MLP",  # GELU, or SwiGLU with one fused gate|up weight
     "gated_mlp": "models.gated_mlp:GatedMLP",  # the README's example: separate gate and up projections
+    "mla": "models.mla:MLA",  # multi-latent attention (DeepSeek-V3): low-rank q and kv, decoupled RoPE
     "moe": "models.moe:MoE",  # mixture of experts (Megatron-Core's MoELayer): the layers model.moe picks
 }
 

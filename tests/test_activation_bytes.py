@@ -44,6 +44,8 @@ CASES = {
     "attention-softcap-sinks": (["model.attn_logit_softcap=20", "model.attention_sinks=true"], "self_attention"),
     "attention-sinks-bf16-cp2": (["model.attention_sinks=true", "train.precision=bf16", "parallel.cp=2",
                                   f"model.seq_length={2 * S}"], "self_attention"),
+    "attention-mla": (["model.attention=mla", "model.mla.q_lora_rank=48"], "self_attention"),
+    "attention-mla-q-proj-bf16": (["model.attention=mla", "train.precision=bf16"], "self_attention"),
     "attention-qk-norm-projection": (["model.qk_norm=true", "model.qk_norm_span=projection"], "self_attention"),
     "mlp-swiglu": ([], "mlp"),
     "mlp-geglu-fused": (["model.activation=geglu_tanh", *FUSED], "mlp"),
@@ -92,6 +94,7 @@ def measure(case: str) -> tuple[float, float]:
     from models.activations import ActivationContext
     from models.extra_losses import take_recorded
     from models.layer import TransformerLayer
+    from models.rope import rotary_dim
     from models.shape import ModelShape, Split
     from models.spec import layer_spec
     from training.engine.bridge import fused_kernels, params_dtype, transformer_config
@@ -105,7 +108,7 @@ def measure(case: str) -> tuple[float, float]:
     shape, dtype = ModelShape.of(cfg.model), params_dtype(cfg)
     config = transformer_config(cfg, shape)
     rope = shape.position_embedding == "rope"
-    freqs = RotaryEmbedding(shape.kv_channels, rotary_percent=1.0, rotary_base=shape.rotary_base,
+    freqs = RotaryEmbedding(rotary_dim(shape), rotary_percent=1.0, rotary_base=shape.rotary_base,
                             use_cpu_initialization=True)(S) if rope else None  # [s, 1, 1, hn]
 
     def args():

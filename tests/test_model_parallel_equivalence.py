@@ -33,6 +33,11 @@ MODELS = {
     "penalized": ["model.mlp=blocks:PenalizedMLP"],
     # Llama 3.x / Qwen2 / Qwen3 attention: QK-norm, q/k/v biases, head dim 24, RoPE scaling (tests/layouts.py)
     "families": FAMILY_OPTIONS,
+    # DeepSeek-V3's multi-latent attention (models/mla.py): q low-rank, replicated down projections, the shared
+    # k_pe entering the TP-split heads, YaRN with DeepSeek's mscale
+    "mla": ["model.attention=mla", "model.mla.q_lora_rank=24", "model.rope_scaling.type=yarn",
+            "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position=8",
+            "model.rope_scaling.mscale=0.8", "model.rope_scaling.mscale_all_dim=0.6"],
 }
 ATTENTION_DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "parallel.tp=2"]
 # bf16 at tp2, unfused and fused (SwiGLU + Megatron-Core's vocab-parallel cross entropy, bf16 only)
@@ -65,6 +70,13 @@ CASES = {
     "families-tp2": ("families", ["parallel.tp=2"], 2),
     "families-tp2-sp": ("families", ["parallel.tp=2", "parallel.sp=true"], 2),
     "families-pp2": ("families", ["parallel.pp=2"], 2),
+    # tp2: k_pe copied into the heads (backward: all-reduce); sp: all-gathered along s, the replicated down
+    # projections' and latent norms' partial gradients summed over TP as sequence-parallel weights
+    "mla-tp2": ("mla", ["parallel.tp=2"], 2),
+    "mla-tp2-sp": ("mla", ["parallel.tp=2", "parallel.sp=true"], 2),
+    "mla-pp2": ("mla", ["parallel.pp=2"], 2),
+    "mla-cp2": ("mla", ["parallel.cp=2"], 2),  # K (with the shared k_pe) and V all-gathered over CP
+    "mla-tp2-sp-recompute-selective": ("mla", ["parallel.tp=2", "parallel.sp=true", "model.recompute=selective"], 2),
     # minimal TP (parallel.tp_blocks): only the MLP split, attention and the (tied / untied) vocabulary whole on
     # both ranks; only the attention split, the MLP whole (SwiGLU's gate|up weight, the gated MLP's three)
     "tp2-mlp": ("llama", ["parallel.tp=2", "parallel.tp_blocks=[mlp]"], 2),

@@ -17,7 +17,10 @@ BUILDS = {name: [f"model={name}"] for name in PRESETS} | {
     "gpt2_124m+gated_mlp": ["model=gpt2_124m", "model.mlp=gated_mlp"],
     # Gemma 2/3's four norms a layer and per-head QK-norm; OLMo 2's two post-norms and whole-projection QK-norm
     "tiny+sandwich": ["model=tiny", "model.norm_placement=sandwich", "model.qk_norm=true"],
-    "tiny+post": ["model=tiny", "model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_span=projection"]}
+    "tiny+post": ["model=tiny", "model.norm_placement=post", "model.qk_norm=true", "model.qk_norm_span=projection"],
+    # DeepSeek-V3's multi-latent attention: q low-rank with biases (attention_bias), a plain q projection
+    "tiny+mla": ["model=tiny", "model.attention=mla", "model.mla.q_lora_rank=48", "model.add_bias_linear=true"],
+    "tiny+mla-q-proj": ["model=tiny", "model.attention=mla"]}
 
 
 def _built_counts(builds: dict) -> dict:
@@ -63,6 +66,9 @@ def test_every_preset_has_exactly_the_parameters_the_estimate_counts():
     assert results["phi4"][0] == 14_659_507_200 and results["phi4_mini"][0] == 3_836_021_760
     assert results["mistral_7b_v0_1"][0] == 7_241_732_096
     assert results["llama3_1_70b"][0] == 70_553_706_496  # Llama 3.1 70B's published count
+    # DeepSeek-V3's architecture (tests/test_hf_deepseek.py: transformers' meta-device count of the config.json)
+    assert results["deepseek_v3"][0] == 671_026_404_352 and results["kimi_k2"][0] == 1_026_408_209_408
+    assert results["moonlight_16b_a3b"][0] == 15_960_108_544
 
 
 @pytest.mark.fast
@@ -86,8 +92,16 @@ def test_flops_per_token_is_megatrons_formula(preset):
         sum(1 for i in range(L) if i >= moe.first_dense and (i - moe.first_dense) % moe.layer_freq == 0)
     routed = (moe.ffn_hidden_size or ffn) * moe.top_k + (moe.shared_expert_ffn_hidden_size or 0)
     q, kv = head_dim * heads, head_dim * groups
+    attention = h * (q + 2 * kv) + q * s / 2 * 2 + q * h
+    if m.attention == "mla":  # Megatron-LM's multi_latent_attention branch (its qk_head_dim: the part without RoPE)
+        a = m.mla
+        q_term = h * heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) if a.q_lora_rank is None else \
+            a.q_lora_rank * (h + heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) + 1)
+        attention = (q_term + a.kv_lora_rank * (h + heads * (a.qk_nope_head_dim + a.v_head_dim) + 1)
+                     + h * a.qk_rope_head_dim + heads * a.v_head_dim * h
+                     + s * heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) / 2 + s * heads * a.v_head_dim / 2)
     megatron = 3 * 2 * (h * (ffn * ffn_gemms * (L - moe_layers) + routed * ffn_gemms * moe_layers)
-                        + L * (h * (q + 2 * kv) + q * s / 2 * 2 + q * h) + h * V)
+                        + L * attention + h * V)
     assert flops_per_token(shape) == pytest.approx(megatron, rel=1e-12)
     if preset == "llama3_8b":  # and the closed form of older Megatron-LMs, for a dense model
         older = 12 * s * L * h * h * ((1 + groups / heads + s / h / 2) * (q / h) + ffn / h * 1.5 + V / (2 * L * h))

@@ -8,6 +8,10 @@ fp32, max|diff| / max|ref| <= 1e-5 per tensor (gradients and updated parameters 
 expert's linear_fc2 after the update differs up to 1.18e-5 at ep2-tp2-sp-etp2 and ep2-dp4, the summation order);
 every rank's parameter count against the estimate.
 
+DeepSeek-V3's router (sigmoid, group-limited top-k, scaled, a shared expert) runs at ep2 and ep2 x tp2 + sp against
+its own reference; its expert bias is updated after the first step from the load summed over every rank, so the
+second step's routing, and loss, hold the update to one process's (planted: one rank's counts -> both fail).
+
 A MoE layer's load-balancing loss depends on which tokens share a micro-batch, so every layout keeps the
 reference's micro-batches (2 sequences): DP ranks take whole micro-batches, never smaller ones.
 """
@@ -34,27 +38,39 @@ CASES = {
     "ep2-pp2": (["parallel.ep=2", "parallel.pp=2"], 4),
     "ep2-dp4": (["parallel.ep=2", "train.micro_batch_size=1"], 4),  # experts' DP 2: their buffer reduced over it
 }
+# DeepSeek-V3's router (Megatron-Core's TopKRouter fields): sigmoid scores, 2 groups with the top-2 from 1, the
+# expert bias updated from the load summed over every rank (fast enough, 0.05, that the second step routes by it)
+DEEPSEEK = ["model.moe.score_function=sigmoid", "model.moe.router_expert_bias=true",
+            "model.moe.router_bias_update_rate=0.05", "model.moe.router_num_groups=2", "model.moe.router_group_topk=1",
+            "model.moe.router_topk_scaling_factor=2.5", "model.moe.shared_expert_ffn_hidden_size=16"]
+CASES |= {"deepseek-ep2": (["parallel.ep=2", *DEEPSEEK], 2),
+          "deepseek-ep2-tp2-sp": (["parallel.ep=2", *SP, *DEEPSEEK], 4)}
 FAST = {"ep2"}
 BATCH = make_batch(global_batch=4, seq=16)
 # the references: micro-batches of 2 sequences (the default), and of 1 for the layouts with 4 DP ranks
-REFS = {"micro2": [], "micro1": ["train.micro_batch_size=1"]}
+REFS = {"micro2": [], "micro1": ["train.micro_batch_size=1"], "deepseek": DEEPSEEK}
+
+
+def _ref(case: str) -> str:
+    overrides = CASES[case][0]
+    return "deepseek" if DEEPSEEK[0] in overrides else "micro1" if "train.micro_batch_size=1" in overrides else "micro2"
 
 
 @pytest.fixture(scope="module")
 def runs(request):
     selected = {item.callspec.params["case"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")}
-    refs = dict(zip(REFS, run_layouts([(model_overrides(*MOE, *extra), None, 2, True) for extra in REFS.values()],
-                                      1, BATCH)))
+    wanted = {_ref(case) for case in selected} | {"micro2"}
+    refs = dict(zip(wanted, run_layouts([(model_overrides(*MOE, *REFS[name]), None, 2, True) for name in wanted],
+                                        1, BATCH)))
     for name, ref in refs.items():
         if isinstance(ref, Exception):
             raise AssertionError(f"the 1-process MoE reference {name} failed") from ref
-    weights = refs["micro2"]["params_before"]  # the same initial weights for every run (the same seed)
     cases = {}
     for world in (2, 4):
         names = [n for n, (_, w) in CASES.items() if w == world and n in selected]
-        if names:
-            specs = [(model_overrides(*MOE, *CASES[n][0]), weights, 2, True) for n in names]
+        if names:  # the same initial weights as the reference (the same seed)
+            specs = [(model_overrides(*MOE, *CASES[n][0]), refs[_ref(n)]["params_before"], 2, True) for n in names]
             cases.update(zip(names, run_layouts(specs, world, BATCH)))
     return refs, cases
 
@@ -62,7 +78,7 @@ def runs(request):
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.fast) if c in FAST else c for c in CASES])
 def test_moe_layout_matches_single_process(case, runs):
     refs, cases = runs
-    ref = refs["micro1" if "train.micro_batch_size=1" in CASES[case][0] else "micro2"]
+    ref = refs[_ref(case)]
     out = cases[case]
     if isinstance(out, Exception):
         raise out

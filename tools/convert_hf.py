@@ -76,7 +76,7 @@ def do_import(args, overrides: list[str]) -> bool:
     from training.config.schema import ParallelConfig
     from training.config.validate import validate
     from training.engine.build import build
-    from training.interop import hf, hf_check, hf_config, hf_stream
+    from training.interop import hf, hf_check, hf_config, hf_deepseek, hf_stream
     from training.interop.hf_export import empty_dir, removed_on_failure
     from training.interop.progress import Progress, files_summary
     from training.parallel import dist as D
@@ -89,6 +89,8 @@ def do_import(args, overrides: list[str]) -> bool:
         raise TemplateError(f"{hf_dir} has no config.json: point --hf-dir at a downloaded Hugging Face model")
     published = json.loads((hf_dir / "config.json").read_text())
     fields = hf_config.model_fields(published)
+    if note := hf_deepseek.skipped(published):  # multi-token prediction layers
+        print(note)
     overridden = {o.split("=")[0].lstrip("+~") for o in overrides}
     fixed = sorted(f"model.{k}" for k in fixed_by_config_json() if f"model.{k}" in overridden)
     if fixed or any(k.startswith("parallel.") for k in overridden):
@@ -97,7 +99,7 @@ def do_import(args, overrides: list[str]) -> bool:
     cfg = compose(overrides)
     fields["name"] = args.name or (Path(args.preset_out).stem if args.preset_out else
                                    re.sub(r"[^a-z0-9_]+", "_", hf_dir.resolve().name.lower()).strip("_") or "hf")
-    for group in ("moe", "rope_scaling"):  # a mixture of experts; Llama 3's RoPE scaling
+    for group in ("moe", "rope_scaling", "mla"):  # a mixture of experts; Llama 3's RoPE scaling; DeepSeek's MLA
         for key, value in fields.pop(group, {}).items():
             if f"model.{group}.{key}" not in overridden:
                 setattr(getattr(cfg.model, group), key, value)

@@ -71,6 +71,23 @@ class MoEConfig:
     dense_layers: list[int] = field(default_factory=list)  # 0-based layers also kept dense (HF mlp_only_layers)
     capacity_factor: Optional[float] = None  # drop tokens beyond this x an expert's mean load; null = none
     grouped_gemm: bool = False  # Transformer Engine's grouped GEMM experts (TEGroupedMLP); needs TE
+    # DeepSeek-V3's router (Megatron-Core's TopKRouter fields); all off: Mixtral's / Qwen's routing
+    router_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias, updated from the load (sigmoid)
+    router_bias_update_rate: float = 1e-3  # the bias's step: rate * sign(mean load - load) (DeepSeek-V3's 1e-3)
+    router_num_groups: Optional[int] = None  # group-limited routing: n equal expert groups (HF n_group); null = none
+    router_group_topk: Optional[int] = None  # groups a token's experts may come from (HF topk_group); null = all
+    router_topk_scaling_factor: Optional[float] = None  # routed weights times this (HF routed_scaling_factor); null = 1
+
+
+@dataclass
+class MLAConfig:
+    """Multi-latent attention's sizes (DeepSeek-V2/V3; models/mla.py), read when model.attention=mla."""
+
+    q_lora_rank: Optional[int] = None  # q's low-rank latent (DeepSeek-V3: 1536); null = one plain q projection
+    kv_lora_rank: int = 64  # the compressed K/V latent every head expands from (DeepSeek-V3: 512)
+    qk_nope_head_dim: int = 32  # each head's q/k part without RoPE (DeepSeek-V3: 128)
+    qk_rope_head_dim: int = 16  # each head's rotated q/k part; k's is one, shared by every head (DeepSeek-V3: 64)
+    v_head_dim: int = 32  # each head's value width (DeepSeek-V3: 128), independent of q/k's
 
 
 @dataclass
@@ -111,6 +128,7 @@ class ModelConfig:
     attention: str = "self_attention"  # the layers' attention block: a name in models/spec.py's BLOCKS or module:Class
     mlp: str = "mlp"  # the layers' MLP block: a name in models/spec.py's BLOCKS or module:Class
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts: model.moe.num_experts > 0 turns it on
+    mla: MLAConfig = field(default_factory=MLAConfig)  # multi-latent attention's sizes (model.attention=mla)
     hidden_dropout: float = 0.0  # dropout after attention/MLP and on embeddings; 0 for pretraining
     attention_dropout: float = 0.0  # dropout on attention probabilities
     init_method_std: float = 0.02  # normal init std (output projections scaled by 1/sqrt(2L), Megatron)

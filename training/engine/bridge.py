@@ -15,6 +15,7 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models import mla
 from models.shape import ModelShape
 from training.config.schema import Activation, Config, Precision, Recompute
 from training.parallel import fsdp
@@ -96,6 +97,7 @@ def transformer_config(cfg: Config, shape: ModelShape) -> TransformerConfig:
     config.qk_norm_span = shape.qk_norm_span if shape.qk_norm else None
     config.scale_embedding = shape.scale_embedding
     config.attn_logit_softcap = shape.attn_logit_softcap  # Gemma 2's (models/core_attention.py); no MCore field
+    config.mla = shape.mla  # multi-latent attention's sizes (models/mla.py), None otherwise
     return config
 
 
@@ -106,7 +108,8 @@ def attention_settings(shape: ModelShape) -> dict:
     return dict(
         window_size=(window - 1, 0) if window else None,
         window_attn_skip_freq=[int(kind == "sliding") for kind in shape.layer_types] if window else None,
-        softmax_scale=shape.query_pre_attn_scalar ** -0.5 if shape.query_pre_attn_scalar else None,
+        softmax_scale=mla.softmax_scale(shape) if shape.mla else
+        shape.query_pre_attn_scalar ** -0.5 if shape.query_pre_attn_scalar else None,
         softmax_type="learnable" if shape.attention_sinks else "vanilla",
     )
 
@@ -131,6 +134,11 @@ def moe_settings(cfg: Config, shape: ModelShape) -> dict:
         moe_grouped_gemm=moe.grouped_gemm,
         # the router in fp32 (its softmax and top-k decide which expert a token goes to, also under bf16)
         moe_router_dtype="fp32",
+        # DeepSeek-V3's: the expert-bias correction (updated in finalize_model_grads from the load summed over
+        # TP x CP x DP), group-limited top-k, the routed weights' scale (sigmoid: top-k renormalised when k > 1)
+        moe_router_enable_expert_bias=moe.router_expert_bias, moe_router_bias_update_rate=moe.router_bias_update_rate,
+        moe_router_num_groups=moe.router_num_groups, moe_router_group_topk=moe.router_group_topk,
+        moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
     )
 
 

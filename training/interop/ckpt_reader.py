@@ -37,7 +37,9 @@ class CheckpointReader:
 
         self.path = path
         self.entries = next(iter(torch_dist.model_state_dict(cfg, state.model).values()))  # {name: sharded entry}
-        self.params = dict(unwrap(state.model[0]).named_parameters())
+        from training.interop.hf import weights_of
+
+        self.params = weights_of(unwrap(state.model[0]))  # parameters and persistent buffers
         self.groups: dict[str, list[str]] = {}
         for name, entry in self.entries.items():
             if name in self.params:

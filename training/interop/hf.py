@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 
 from models import gpt as gpt_module
 from training.engine.build import TrainState
-from training.interop import hf_mxfp4
+from training.interop import hf_deepseek, hf_mxfp4
 from training.interop.hf_config import HFError, family
 from training.parallel.wrap import unwrap
 
@@ -55,7 +55,10 @@ class HFWeights:
         if missing := sorted(f for f in set(files.values()) if not (directory / f).is_file()):
             raise HFError(f"{directory}: shards named in model.safetensors.index.json are missing: {missing[:4]}")
         config = directory / "config.json"  # its family names fused tensors (Phi-3's qkv_proj, gate_up_proj)
-        self.family = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+        hf = json.loads(config.read_text()) if config.is_file() else {}
+        self.family = hf.get("model_type")
+        if self.family == hf_deepseek.FAMILY:  # multi-token prediction layers: not imported (hf_deepseek.skipped)
+            self.where = {k: v for k, v in self.where.items() if not hf_deepseek.mtp_tensor(hf, k)}
 
     def __contains__(self, name: str) -> bool:
         return name in self.where or self._mxfp4(name)
@@ -153,10 +156,20 @@ def write_safetensors(items, directory: Path, max_shard_bytes: int, progress=Non
 
 # ---- weights into / out of a built GPT (one process, tp=1, pp=1) ----------------------------------------------
 
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of `module` by name: its parameters and its persistent buffers (DeepSeek's router
+    expert bias, Megatron-Core's `expert_bias`: updated from the load, not by the optimizer)."""
+    named = dict(module.named_parameters())
+    for prefix, mod in module.named_modules():
+        named.update({f"{prefix}.{n}" if prefix else n: b for n, b in mod._buffers.items()
+                      if b is not None and n not in mod._non_persistent_buffers_set})
+    return named
+
+
 def load_hf_weights(state: TrainState, get) -> int:
     """Copy HF tensors (get(name)) into this single-process model, every parameter exactly once; returns count."""
     gpt = unwrap(state.model[0])
-    params = dict(gpt.named_parameters())
+    params = weights_of(gpt)
     count = 0
     with torch.no_grad():
         config = _with_family(gpt.config, getattr(get, "family", None))
@@ -177,7 +190,7 @@ def load_hf_weights(state: TrainState, get) -> int:
 def hf_tensors(state: TrainState):
     """(HF name, full tensor) for every weight of this single-process model, vocab padding dropped."""
     gpt = unwrap(state.model[0])
-    params = dict(gpt.named_parameters())
+    params = weights_of(gpt)
     config = _with_family(gpt.config, family(state.shape))  # the family export writes (hf_config.family)
     return _hf_errors(gpt_module.to_hf, lambda name: params[name].detach(), config, state.shape)
 

@@ -45,7 +45,8 @@ def params_on_meta():
 
 def stream_parameters(model: torch.nn.Module, read, keep: set[str] = frozenset()) -> list:
     """Forward hooks on every module that owns parameters: before its forward, read(module name, parameter
-    name, meta param) -> the real tensor (fp32) for each; after it, back to meta (modules named in `keep` stay
+    name, meta param) -> the real tensor (fp32) for each, and for its persistent buffers (None: keep it); after
+    it, the parameters back to meta (modules named in `keep` stay
     real: a tied embedding the output layer reads later). Returns the hook handles."""
     handles = []
     for prefix, module in model.named_modules():
@@ -58,6 +59,10 @@ def stream_parameters(model: torch.nn.Module, read, keep: set[str] = frozenset()
                     real = torch.nn.Parameter(read(prefix, name, param).float(), requires_grad=False)
                     real.__dict__.update(param.__dict__)
                     mod._parameters[name] = real
+            for name in [n for n, b in mod._buffers.items() if b is not None and n not in
+                         mod._non_persistent_buffers_set]:  # DeepSeek's router expert bias (kept once read)
+                if (value := read(prefix, name, mod._buffers[name])) is not None:
+                    mod._buffers[name] = value.float()
 
         def drop(mod, *_, prefix=prefix):
             if prefix not in keep:
@@ -109,8 +114,10 @@ def reference_logits(hf_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, 
         return hf.reference_logits(hf_dir, tokens), (f"whole model loaded (its parameter names are not the "
                                                      f"checkpoint's tensor names, e.g. {missing[0]})")
 
-    def read(prefix: str, name: str, param) -> torch.Tensor:
+    def read(prefix: str, name: str, param) -> torch.Tensor | None:
         key = f"{prefix}.{name}" if prefix else name
+        if not isinstance(param, torch.nn.Parameter) and alias.get(key, key) not in weights.where:
+            return None  # a buffer the checkpoint does not hold: the model's own
         return weights(alias.get(key, key))
 
     handles = stream_parameters(model, read)

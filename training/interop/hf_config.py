@@ -10,6 +10,7 @@
                 (MXFP4 checkpoints dequantized): training/interop/hf_gpt_oss.py
     gemma2, gemma3_text, olmo2, phi3: training/interop/hf_families.py (sandwich / post norms, soft-caps, windows
                 per layer, whole-projection QK-norm, fused Phi-3 projections)
+    deepseek_v3 multi-latent attention, DeepSeek's router and shared experts: training/interop/hf_deepseek.py
 
 Import (`model_fields`) refuses what the template cannot express, naming the field and its value as the
 checkpoint holds it; export (`hf_config`) writes the family's own config class, picked from the model's
@@ -24,9 +25,10 @@ Light on purpose (no Megatron-Core, no torch): the config check before any work.
 from __future__ import annotations
 
 from training.errors import TemplateError
-from training.interop import hf_families, hf_gpt_oss, hf_rope
+from training.interop import hf_deepseek, hf_families, hf_gpt_oss, hf_rope
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", *hf_families.FAMILIES, hf_gpt_oss.KIND)
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", *hf_families.FAMILIES, hf_gpt_oss.KIND,
+            hf_deepseek.FAMILY)
 QWEN = ("qwen2", "qwen3", "qwen3_moe")
 WINDOWED = ("mistral", "mixtral", "phi3")  # every layer sliding when config.json's sliding_window is set
 ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}  # transformers' gated MLP's act -> ours
@@ -70,6 +72,8 @@ def _refusals(hf: dict) -> list[str]:
         checks.append((field, True, f"only with {'mlp_bias' if attention_bias else 'attention_bias'}=true: the "
                                     f"template's o_proj bias and MLP biases are one switch, model.add_bias_linear",
                        False))
+    if kind == hf_deepseek.FAMILY:  # multi-latent attention, DeepSeek's MoE: training/interop/hf_deepseek.py
+        checks += hf_deepseek.checks(hf)
     if kind == "qwen3_moe":
         checks.append(("shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"), "null or 0",
                        not hf.get("shared_expert_intermediate_size")))
@@ -108,6 +112,8 @@ def model_fields(hf: dict) -> dict:
     fields.update(hf_families.fields(hf))  # Gemma's norms, scale, soft-caps and layer types; OLMo 2's norms
     if kind == hf_gpt_oss.KIND:  # biases, sinks, windows, clamped SwiGLU experts
         fields.update(hf_gpt_oss.fields(hf))
+    if kind == hf_deepseek.FAMILY:
+        fields.update(hf_deepseek.fields(hf))  # multi-latent attention's sizes
     if kind == "mixtral":  # every layer sparse; the top-k renormalised: softmax over the top-k logits
         fields["moe"] = dict(
             num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=None,
@@ -128,6 +134,8 @@ def model_fields(hf: dict) -> dict:
 
 def family(shape) -> str:
     """The Hugging Face family that expresses this models/shape.py ModelShape (export writes its config)."""
+    if shape.mla is not None:  # multi-latent attention: DeepSeek-V3's
+        return hf_deepseek.FAMILY
     if shape.num_experts:
         return hf_gpt_oss.KIND if hf_gpt_oss.is_gpt_oss(shape) else "qwen3_moe" if shape.qk_norm else "mixtral"
     if kind := hf_families.family(shape):  # sandwich norms: Gemma; post: OLMo 2; partial / longrope RoPE: Phi-3
@@ -154,7 +162,7 @@ def _export_problems(shape, kind: str) -> dict:
         checks.append(("model.add_bias_linear", shape.add_bias_linear, False))
     if kind == "qwen2":  # Qwen2's head dim is hidden_size / heads
         checks.append(("model.kv_channels", shape.kv_channels, shape.hidden_size // shape.num_attention_heads))
-    if shape.num_experts:
+    if shape.num_experts and kind != hf_deepseek.FAMILY:  # DeepSeek's: sigmoid, shared experts
         checks += [("model.moe.shared_expert_ffn_hidden_size", shape.moe_shared_ffn_hidden_size, None),
                    ("model.moe.score_function", shape.moe_score_function, "softmax")]
     if kind == "mixtral":
@@ -184,6 +192,8 @@ def hf_config(shape, model, precision: str):
     common.update(hf_rope.export_fields(shape, kind))  # rope_theta, rope_scaling, partial rotary, a local base
     if kind == hf_gpt_oss.KIND:
         return hf_gpt_oss.hf_config(transformers, shape, model, common)
+    if kind == hf_deepseek.FAMILY:
+        return hf_deepseek.hf_config(transformers, shape, model, {**common, "intermediate_size": shape.ffn_hidden_size})
     if kind in hf_families.FAMILIES:  # Gemma 2 / 3, OLMo 2, Phi-3
         return hf_families.hf_config(transformers, shape, kind, {**common, "intermediate_size": shape.ffn_hidden_size})
     if kind == "mixtral":

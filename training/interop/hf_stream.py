@@ -173,7 +173,9 @@ def walk(state, get):
 def plan(state, weights, tied: bool) -> int:
     """The walk on meta tensors: every parameter made exactly once with its shape, every HF tensor read (else
     one HFError naming them); returns the parameter count. Reads no tensor data."""
-    params = dict(unwrap(state.model[0]).named_parameters())
+    from training.interop.hf import weights_of
+
+    params = weights_of(unwrap(state.model[0]))
     count = 0
     for name, tensor in walk(state, meta_getter(weights)):
         param = params.pop(name, None)
@@ -192,7 +194,9 @@ def plan(state, weights, tied: bool) -> int:
 def streaming_save(state, weights, progress=None) -> StreamingSave:
     """The strategy for checkpoint.save(..., strategy=) that writes this meta-device model's checkpoint from
     `weights` (hf.HFWeights) tensor by tensor, in files no larger than its largest shard (at most FILE_BYTES)."""
-    names = {id(p): n for n, p in unwrap(state.model[0]).named_parameters()}
+    from training.interop.hf import weights_of
+
+    names = {id(p): n for n, p in weights_of(unwrap(state.model[0])).items()}
     planner = LazyPlanner(names, lambda uses: ParamSource(walk(state, weights), uses), progress)
     return StreamingSave(planner, min(FILE_BYTES, weights.largest_shard()))
 

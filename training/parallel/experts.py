@@ -37,4 +37,19 @@ def problems(cfg, layout) -> list[str]:
          f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (null: no token dropping)")
     need(not moe.grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
          "model.moe.grouped_gemm=true needs Transformer Engine (the NGC PyTorch container has it)")
+    return out + router_problems(moe)
+
+
+def router_problems(moe) -> list[str]:
+    """DeepSeek-V3's routing options as Megatron-Core's TopKRouter reads them (its own asserts, as one line)."""
+    out, groups, pick = [], moe.router_num_groups, moe.router_group_topk
+    if moe.router_expert_bias and str(moe.score_function) != "sigmoid":
+        out.append(f"model.moe.router_expert_bias=true needs model.moe.score_function=sigmoid (is "
+                   f"{moe.score_function}): Megatron-Core's aux-loss-free routing biases sigmoid scores")
+    if (groups is None) != (pick is None) or groups is not None and not (
+            moe.num_experts % groups == 0 and 1 <= pick <= groups and moe.top_k % pick == 0
+            and moe.top_k // pick <= moe.num_experts // groups):
+        out.append(f"model.moe.router_num_groups={groups} and router_group_topk={pick}: both or neither; the "
+                   f"{moe.num_experts} experts in equal groups, 1 <= group_topk <= groups, and top_k={moe.top_k} "
+                   f"a multiple of group_topk with top_k / group_topk experts per group at most")
     return out
