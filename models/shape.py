@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from models.mla_shape import MLAShape, mla_of, mla_problems
 from models.tp_blocks import TP_BLOCKS
 
 WEIGHTS, NUMERICS, RUN = "weights", "numerics", "run"
@@ -67,21 +68,6 @@ class RopeScaling:
     truncate: bool = True
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
-
-
-@dataclass(frozen=True)
-class MLAShape:
-    """Multi-latent attention's sizes (models/mla.py; their meaning: training/config/schema_model.py MLAConfig)."""
-
-    q_lora_rank: int | None  # None: one plain q projection
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-    @property
-    def qk_head_dim(self) -> int:  # a q (and k) head: its plain part, then its rotated part
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -175,7 +161,7 @@ class ModelShape:
             final_logit_softcap=_optional_float(model, "final_logit_softcap"),
             query_pre_attn_scalar=_optional_float(model, "query_pre_attn_scalar"),
             attention_sinks=bool(getattr(model, "attention_sinks", False)),
-            mla=_mla(model),
+            mla=mla_of(model),
             seq_length=model.seq_length, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
     # ---- derived sizes ----------------------------------------------------------------------------------
@@ -210,6 +196,8 @@ class ModelShape:
             return [problem]
         if rope := _rope_problems(self):
             return rope
+        if self.mla is not None and (mla := mla_problems(self)):
+            return mla
         window = self.sliding_window
         if window is not None and window < 1:
             return [f"model.sliding_window={window} must be >= 1 (or null: no window)"]
@@ -240,14 +228,6 @@ def _is_moe_layer(moe, number: int) -> bool:
     except the 0-based indices in moe.dense_layers (Hugging Face's mlp_only_layers)."""
     return (bool(moe.num_experts) and number > moe.first_dense and (number - moe.first_dense - 1) % moe.layer_freq == 0
             and number - 1 not in moe.dense_layers)
-
-
-def _mla(model) -> MLAShape | None:
-    """Multi-latent attention's sizes when the layers' attention is models/mla.py's (model.attention=mla)."""
-    if str(model.attention) not in ("mla", "models.mla:MLA"):
-        return None
-    m = model.mla
-    return MLAShape(m.q_lora_rank or None, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
 
 
 def _layer_types(model) -> tuple[str, ...]:

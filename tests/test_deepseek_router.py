@@ -5,7 +5,6 @@ scaled by routed_scaling_factor, a shared expert added. Output and input gradien
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from training.config.compose import compose

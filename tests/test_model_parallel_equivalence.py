@@ -76,6 +76,7 @@ CASES = {
     "mla-tp2-sp": ("mla", ["parallel.tp=2", "parallel.sp=true"], 2),
     "mla-pp2": ("mla", ["parallel.pp=2"], 2),
     "mla-cp2": ("mla", ["parallel.cp=2"], 2),  # K (with the shared k_pe) and V all-gathered over CP
+    "mla-tp2-mlp": ("mla", ["parallel.tp=2", "parallel.tp_blocks=[mlp]"], 2),  # MLA whole on both TP ranks
     "mla-tp2-sp-recompute-selective": ("mla", ["parallel.tp=2", "parallel.sp=true", "model.recompute=selective"], 2),
     # minimal TP (parallel.tp_blocks): only the MLP split, attention and the (tied / untied) vocabulary whole on
     # both ranks; only the attention split, the MLP whole (SwiGLU's gate|up weight, the gated MLP's three)
