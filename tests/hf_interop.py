@@ -41,6 +41,14 @@ PROMPTS = [[84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110
 NEW = 24
 
 
+def hf_greedy(model) -> list[list[int]]:
+    """transformers' greedy continuation (generate(), NEW tokens) of each of PROMPTS, by `model` in eval mode."""
+    model.eval()
+    return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+            [0, len(p):].tolist() for p in PROMPTS]
+
+
 def greedy_at_tp2(root: str, names) -> dict:
     """{name: greedy continuations of PROMPTS} of each imported checkpoint {root}/ckpt_{name}, at tp2 (in a
     2-process group; the model-parallel state is rebuilt per checkpoint)."""

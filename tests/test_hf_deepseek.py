@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from hf_interop import (NEW, PROMPTS, ROOT, VOCAB, convert_main, greedy_at_tp2, logits_at_layouts,
+from hf_interop import (ROOT, VOCAB, convert_main, greedy_at_tp2, hf_greedy, logits_at_layouts,
                         meta_parameter_count, relative_diff)
 
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
@@ -65,11 +65,7 @@ def _import(root: str) -> dict:
     tokens = check_tokens(VOCAB, ARCH["max_position_embeddings"])
     cli = convert_main(convert_hf, ["import", "--hf-dir", str(hf_dir), "--out", f"{root}/ckpt_deepseek", "--check",
                                     "--preset-out", f"{root}/conf/model/hf_deepseek.yaml"])
-    model.eval()
-    generated = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
-                 [0, len(p):].tolist() for p in PROMPTS]
-    return {"tokens": tokens, "cli": cli, "reference": reference_logits(hf_dir, tokens), "generated": generated}
+    return {"tokens": tokens, "cli": cli, "reference": reference_logits(hf_dir, tokens), "generated": hf_greedy(model)}
 
 
 def _at_tp2(root: str, tokens: torch.Tensor) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from hf_interop import (ARCH, NEW, PROMPTS, ROOT, VOCAB, convert_main, greedy_at_tp2, logits_at_layouts,
+from hf_interop import (ARCH, ROOT, VOCAB, convert_main, greedy_at_tp2, hf_greedy, logits_at_layouts,
                         meta_parameter_count, relative_diff)
 
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
@@ -77,11 +77,7 @@ def _hf_models(root: str) -> dict:
         model.save_pretrained(str(hf_dir))
         cli = convert_main(convert_hf, ["import", "--hf-dir", str(hf_dir), "--out", f"{root}/ckpt_{name}", "--check",
                                         "--preset-out", f"{root}/conf/model/hf_{name}.yaml"])
-        model.eval()
-        expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
-                    [0, len(p):].tolist() for p in PROMPTS]
-        out[name] = {"cli": cli, "reference": reference_logits(hf_dir, out["tokens"]), "generated": expected}
+        out[name] = {"cli": cli, "reference": reference_logits(hf_dir, out["tokens"]), "generated": hf_greedy(model)}
     return out
 
 
