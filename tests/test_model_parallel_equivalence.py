@@ -13,7 +13,7 @@ selected cases run (and the references they need): `make test-fast` runs the fas
 import pytest
 import torch
 from harness import run_distributed
-from layouts import FAMILY_OPTIONS, make_batch, max_rel_diff, model_overrides, run_layouts
+from layouts import FAMILY_OPTIONS, MLA_OPTIONS, make_batch, max_rel_diff, model_overrides, run_layouts
 
 RTOL = 1e-5
 
@@ -33,11 +33,8 @@ MODELS = {
     "penalized": ["model.mlp=blocks:PenalizedMLP"],
     # Llama 3.x / Qwen2 / Qwen3 attention: QK-norm, q/k/v biases, head dim 24, RoPE scaling (tests/layouts.py)
     "families": FAMILY_OPTIONS,
-    # DeepSeek-V3's multi-latent attention (models/mla.py): q low-rank, replicated down projections, the shared
-    # k_pe entering the TP-split heads, YaRN with DeepSeek's mscale
-    "mla": ["model.attention=mla", "model.mla.q_lora_rank=24", "model.rope_scaling.type=yarn",
-            "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position=8",
-            "model.rope_scaling.mscale=0.8", "model.rope_scaling.mscale_all_dim=0.6"],
+    # DeepSeek-V3's multi-latent attention (tests/layouts.py)
+    "mla": MLA_OPTIONS,
 }
 ATTENTION_DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "parallel.tp=2"]
 # bf16 at tp2, unfused and fused (SwiGLU + Megatron-Core's vocab-parallel cross entropy, bf16 only)

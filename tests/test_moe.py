@@ -17,7 +17,7 @@ reference's micro-batches (2 sequences): DP ranks take whole micro-batches, neve
 """
 
 import pytest
-from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
+from layouts import DEEPSEEK_ROUTER, make_batch, max_rel_diff, model_overrides, run_layouts
 
 RTOL = 1e-5
 TENSOR_RTOL = 3e-5  # gradients and updated parameters (the docstring)
@@ -38,11 +38,7 @@ CASES = {
     "ep2-pp2": (["parallel.ep=2", "parallel.pp=2"], 4),
     "ep2-dp4": (["parallel.ep=2", "train.micro_batch_size=1"], 4),  # experts' DP 2: their buffer reduced over it
 }
-# DeepSeek-V3's router (Megatron-Core's TopKRouter fields): sigmoid scores, 2 groups with the top-2 from 1, the
-# expert bias updated from the load summed over every rank (fast enough, 0.05, that the second step routes by it)
-DEEPSEEK = ["model.moe.score_function=sigmoid", "model.moe.router_expert_bias=true",
-            "model.moe.router_bias_update_rate=0.05", "model.moe.router_num_groups=2", "model.moe.router_group_topk=1",
-            "model.moe.router_topk_scaling_factor=2.5", "model.moe.shared_expert_ffn_hidden_size=16"]
+DEEPSEEK = DEEPSEEK_ROUTER  # DeepSeek-V3's router (tests/layouts.py)
 CASES |= {"deepseek-ep2": (["parallel.ep=2", *DEEPSEEK], 2),
           "deepseek-ep2-tp2-sp": (["parallel.ep=2", *SP, *DEEPSEEK], 4)}
 FAST = {"ep2"}
