@@ -59,6 +59,7 @@ CASES = {
     "gpt-oss-pp2": ("gpt_oss", ["parallel.pp=2"], 2),
     "deepseek-ep2-distopt": ("deepseek", ["parallel.ep=2", "parallel.dist_opt=true"], 2),
     "deepseek-tp2-sp-ep2": ("deepseek", ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2"], 2),
+    "deepseek-pp2": ("deepseek", ["parallel.pp=2"], 2),
 }
 BATCH = make_batch(global_batch=4, seq=16)
 
