@@ -13,7 +13,8 @@ selected cases run (and the references they need): `make test-fast` runs the fas
 import pytest
 import torch
 from harness import run_distributed
-from layouts import FAMILY_OPTIONS, MLA_OPTIONS, make_batch, max_rel_diff, model_overrides, run_layouts
+from layouts import FAMILY_OPTIONS, make_batch, max_rel_diff, model_overrides, run_layouts
+from model_options import MLA_OPTIONS
 
 RTOL = 1e-5
 

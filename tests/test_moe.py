@@ -17,7 +17,8 @@ reference's micro-batches (2 sequences): DP ranks take whole micro-batches, neve
 """
 
 import pytest
-from layouts import DEEPSEEK_ROUTER, make_batch, max_rel_diff, model_overrides, run_layouts
+from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
+from model_options import DEEPSEEK_ROUTER
 
 RTOL = 1e-5
 TENSOR_RTOL = 3e-5  # gradients and updated parameters (the docstring)

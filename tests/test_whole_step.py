@@ -9,7 +9,8 @@ weights (exactly), the losses and grad norms of every step, the weights after 3 
 """
 
 import pytest
-from layouts import DEEPSEEK_ROUTER, MLA_OPTIONS, make_batch, max_rel_diff, model_overrides, run_layouts
+from layouts import make_batch, max_rel_diff, model_overrides, run_layouts
+from model_options import DEEPSEEK_ROUTER, MLA_OPTIONS
 
 RTOL = 1e-5
 # the weights after 3 updates and the last gradients: TP/PP sum partial products in another order, and on an
