@@ -237,3 +237,26 @@ def test_launcher_refuses_an_added_unknown_key_before_starting(tmp_path):
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
         "error: unknown key 'paralel.tp' (did you mean parallel.tp?)"]
     assert not (tmp_path / "run").exists()  # no process started
+
+
+def test_learning_rates_follow_the_run_and_say_so():
+    """Null optim.lr / min_lr resolve by run kind (from scratch, full fine-tune, LoRA) into what Megatron-Core's
+    optimizer and schedule get (training/engine/bridge.py), min_lr a tenth of the peak unless given; setting
+    optim.lr alone is always valid; the config line names the source."""
+    from training.config import optim_defaults as od
+    from training.engine import bridge
+
+    tune = ["checkpoint.load=/tmp", "checkpoint.finetune=true"]
+    for overrides, peak, words in (([], od.PRETRAIN_LR, "the pretraining default"),
+                                   (tune, od.FULL_FINETUNE_LR, "the full fine-tune default"),
+                                   (["peft=lora"], od.LORA_LR, "the LoRA default"),
+                                   ([*tune, "peft=lora"], od.LORA_LR, "the LoRA default"),
+                                   ([*tune, "optim.lr=1e-5"], 1e-5, "optim.lr, min lr/10"),
+                                   (["optim.lr=1e-5"], 1e-5, "optim.lr, min lr/10"),
+                                   (["optim.lr=1e-5", "optim.min_lr=0"], 1e-5, "optim.lr, min optim.min_lr")):
+        cfg = compose(overrides)
+        validate(cfg, 1)
+        kwargs, optimizer = bridge.scheduler_kwargs(cfg), bridge.optimizer_config(cfg)
+        end = 0.0 if "optim.min_lr=0" in overrides else peak / 10
+        assert (kwargs["max_lr"], kwargs["min_lr"], optimizer.lr, optimizer.min_lr) == pytest.approx((peak, end, peak, end)), overrides
+        assert words in od.describe(cfg) and f"lr {peak:.0e} -> {end:.0e}" in od.describe(cfg), od.describe(cfg)

@@ -22,6 +22,7 @@ from training.shims.noise import quiet_known_noise
 
 
 def check(argv: list[str]) -> None:
+    from training.config import optim_defaults
     from training.config.compose import compose
     from training.config.paths import check_paths
     from training.config.validate import validate
@@ -51,7 +52,7 @@ def check(argv: list[str]) -> None:
         raise ConfigError("\n".join(found))
     if args.port is not None and (problem := port_problem(args.port)):
         raise LaunchError(problem)
-    print(f"config ok: {layout.describe()}")
+    print(f"config ok: {layout.describe()}; {optim_defaults.describe(cfg)}")
 
 
 def checkpoint_problems(cfg, run_dir: str | None) -> list[str]:

@@ -24,6 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from training.bench.benchmark import sync
 from training.config.schema import Config, Precision
+from training.config.optim_defaults import peak_lr
 from training.engine import bridge
 from training.errors import ConfigError
 from training.interop import hf, hf_config
@@ -78,7 +79,7 @@ def plain_side(model: torch.nn.Module, cfg: Config, logits: Callable) -> PlainSi
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim > 1 and not n.endswith(".bias"))]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay, "wd_mult": 1.0},
                                    {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}],
-                                  lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+                                  lr=peak_lr(cfg), betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     scheduler = OptimizerParamScheduler(optimizer, **bridge.scheduler_kwargs(cfg))  # sets step 0's lr
     return PlainSide(model, optimizer, scheduler, cfg, logits)
 

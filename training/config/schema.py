@@ -92,8 +92,8 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3  # peak learning rate (after warmup); the tiny model takes a high one
-    min_lr: float = 3e-4  # learning rate at the end of decay (lr / 10)
+    lr: Optional[float] = None  # peak lr after warmup; null = by run kind: 3e-3 scratch, 5e-6 fine-tune, 1e-4 LoRA
+    min_lr: Optional[float] = None  # lr at the end of decay; null = lr / 10 (training/config/optim_defaults.py)
     warmup_iters: int = 20  # linear warmup from 0 to lr
     decay_style: DecayStyle = DecayStyle.cosine  # cosine | linear | constant
     decay_iters: Optional[int] = None  # iteration where decay reaches min_lr; null = train.iters

@@ -23,6 +23,7 @@ from importlib.util import find_spec
 from models.shape import ModelShape
 from models.spec import block_problem
 from training.config.schema import Config
+from training.config.optim_defaults import min_lr, peak_lr, run_kind
 from training.errors import ConfigError
 from training.parallel import context, experts, fsdp, peft, tp_blocks
 from training.parallel.layout import Layout
@@ -100,7 +101,8 @@ def run_problems(cfg: Config) -> list[str]:
     """The optimizer, the schedule of the run, the data and the checkpoint settings."""
     o, t, c, d = cfg.optim, cfg.train, cfg.checkpoint, cfg.data
     rules = [
-        (o.lr >= o.min_lr >= 0, f"optim.lr={o.lr} must be >= optim.min_lr={o.min_lr} >= 0"),
+        (peak_lr(cfg) >= min_lr(cfg) >= 0, f"optim.lr={peak_lr(cfg)} must be >= optim.min_lr={min_lr(cfg)} >= 0"
+         + ("" if o.lr is not None else f" (optim.lr: the {run_kind(cfg)} default)")),
         (o.warmup_iters >= 0, f"optim.warmup_iters={o.warmup_iters} must be >= 0"),
         (o.decay_iters is None or o.decay_iters >= 1, f"optim.decay_iters={o.decay_iters} must be >= 1"),
         (o.clip_grad >= 0, f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)"),

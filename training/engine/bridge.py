@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models import mla
 from models.shape import ModelShape
 from training.config.schema import Activation, Config, Precision, Recompute
+from training.config.optim_defaults import min_lr, peak_lr
 from training.parallel import fsdp
 from training.shims import upstream_fixes
 
@@ -157,7 +158,7 @@ def optimizer_config(cfg: Config) -> OptimizerConfig:
     o = cfg.optim
     dtype = params_dtype(cfg)
     return OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        optimizer="adam", lr=peak_lr(cfg), min_lr=min_lr(cfg), weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
         bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_distributed_optimizer=cfg.parallel.dist_opt,
@@ -170,7 +171,7 @@ def scheduler_kwargs(cfg: Config) -> dict:
     o = cfg.optim
     decay_end = o.decay_iters if o.decay_iters is not None else max(cfg.train.iters, 1)
     return dict(
-        init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
+        init_lr=0.0, max_lr=peak_lr(cfg), min_lr=min_lr(cfg), lr_warmup_steps=o.warmup_iters,
         lr_decay_steps=max(decay_end, o.warmup_iters + 1), lr_decay_style=str(o.decay_style),
         start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_end, wd_incr_style="constant",
         # the config, not the checkpoint, defines the schedule: raising train.iters on resume extends it

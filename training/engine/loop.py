@@ -17,6 +17,7 @@ from pathlib import Path
 from models.shape import ModelShape
 from models.spec import extra_stats
 from training import checkpoint
+from training.config import optim_defaults
 from training.config.schema import Config
 from training.data.build import build_datasets
 from training.data.datasets import resolve_vocab_size
@@ -76,7 +77,7 @@ def setup(cfg: Config, layout: Layout, device, run_dir: Path) -> Run:
                                         reads_data(chunks, packed)) if start.iteration < t.iters else (None, None)
     D.print0(f"config: {layout.describe()}; {t.global_batch_size * shape.seq_length} tokens/step; vocab "
              f"{shape.vocab_size} (padded {shape.padded_vocab(layout.tp)}); {device.type}; start at iteration "
-             f"{start.iteration} ({start.consumed_samples} samples consumed)")
+             f"{start.iteration} ({start.consumed_samples} samples consumed); {optim_defaults.describe(cfg)}")
     return Run(state, start, micro_batch_streams(chunks, train_ds, start.consumed_samples, t.micro_batch_size, packed),
                lambda: micro_batch_streams(chunks, valid_ds, 0, t.micro_batch_size, packed), train_samples)
 
