@@ -2,8 +2,8 @@
 # Several nodes: one torchrun per node, joined by a c10d rendezvous at MASTER_ADDR:MASTER_PORT (node 0).
 # Run the same command on every node, each with its NODE_RANK. Extra arguments are Hydra overrides.
 #
-#   node 0:  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 RUN_ID=l7b-a launch/multinode.sh model=llama2_7b parallel.tp=8
-#   node 1:  NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 RUN_ID=l7b-a launch/multinode.sh model=llama2_7b parallel.tp=8
+#   node 0:  NNODES=2 NODE_RANK=0 NPROC=8 MASTER_ADDR=10.0.0.1 RUN_ID=l7b-a launch/multinode.sh model=llama2_7b parallel.tp=8
+#   node 1:  NNODES=2 NODE_RANK=1 NPROC=8 MASTER_ADDR=10.0.0.1 RUN_ID=l7b-a launch/multinode.sh model=llama2_7b parallel.tp=8
 #   DRY_RUN=1 NNODES=2 MASTER_ADDR=10.0.0.1 RUN_ID=x launch/multinode.sh parallel.tp=2   # print, run nothing
 #   (launch/slurm.sbatch sets all of this under SLURM)
 #
