@@ -58,6 +58,7 @@ class Start:
     consumed_samples: int = 0
     resumed: bool = False  # a checkpoint of this run was loaded (it is already on disk)
     train_samples: int | None = None  # the train dataset size the checkpointed run was built with
+    saved_config: dict | None = None  # the resumed checkpoint's config (run.json): what its schedule was built from
 
 
 # --- the run directory -------------------------------------------------------------------------------------

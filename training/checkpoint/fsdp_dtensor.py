@@ -129,7 +129,8 @@ def load(cfg: Config, state: TrainState, path: Path, run: dict, weights_only: bo
     if same_ranks:
         rng.set_state(loaded["rng_state"])
     announce(f"loaded checkpoint {path} (iteration {loaded['iteration']}, parallel.fsdp={saved})")
-    return Start(int(loaded["iteration"]), int(loaded["consumed_samples"]), True, run.get("train_samples"))
+    return Start(int(loaded["iteration"]), int(loaded["consumed_samples"]), True, run.get("train_samples"),
+                 run.get("config"))
 
 
 def _single_rank_layout(run: dict, now: dict) -> bool:

@@ -168,4 +168,5 @@ def load(cfg: Config, state: TrainState, path: Path, run: dict, weights_only: bo
         print0(f"note: layout changed (saved tp/pp {run['layout']['tp']}/{run['layout']['pp']}); RNG "
                f"streams restart from the seed, weights and optimizer state are resharded")
     print0(f"loaded checkpoint {path} (iteration {loaded['iteration']})")
-    return Start(int(loaded["iteration"]), int(loaded["consumed_samples"]), True, run.get("train_samples"))
+    return Start(int(loaded["iteration"]), int(loaded["consumed_samples"]), True, run.get("train_samples"),
+                 run.get("config"))

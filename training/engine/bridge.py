@@ -179,3 +179,13 @@ def scheduler_kwargs(cfg: Config) -> dict:
     )
 
 
+
+
+def lr_at(cfg: Config, iteration: int) -> float:
+    """The learning rate cfg's schedule (scheduler_kwargs) gives at `iteration`, without building an optimizer."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    group = {"lr": 0.0, "weight_decay": 0.0}
+    scheduler = OptimizerParamScheduler(type("Groups", (), {"param_groups": [group]})(), **scheduler_kwargs(cfg))
+    scheduler.num_steps = iteration
+    return scheduler.get_lr(group)

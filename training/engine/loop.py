@@ -10,6 +10,7 @@ TensorBoard; evaluation, saving and stopping follow their own clocks.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,13 @@ from models.shape import ModelShape
 from models.spec import extra_stats
 from training import checkpoint
 from training.config import optim_defaults
-from training.config.schema import Config
+from training.config.optim_defaults import min_lr, peak_lr
+from training.config.schema import Config, to_config
 from training.data.build import build_datasets
 from training.data.datasets import resolve_vocab_size
 from training.data.streams import micro_batch_streams, reads_data
 from training.data.tokenizer import build_tokenizer
+from training.engine.bridge import lr_at
 from training.engine.build import TrainState, build
 from training.engine.metrics import RESERVED_KEYS, MetricsLogger, Throughput
 from training.engine.profiling import Profiler
@@ -60,6 +63,25 @@ def train_dataset_size(cfg: Config, start: checkpoint.Start) -> int:
     return needed if saved is None or saved < needed else saved
 
 
+def schedule_note(cfg: Config, start: checkpoint.Start) -> str | None:
+    """A resumed run whose train.iters or optim.* differ from its checkpoint's: the schedule is this config's
+    (bridge.scheduler_kwargs overrides the saved one), so say so, with the lr at the resumed iteration both ways."""
+    saved = start.saved_config
+    if not saved or "optim" not in saved:
+        return None
+    old = to_config({k: saved[k] for k in ("train", "optim", "peft", "checkpoint") if k in saved})
+    pairs = {"train.iters": (old.train.iters, cfg.train.iters), "optim.lr": (peak_lr(old), peak_lr(cfg)),
+             "optim.min_lr": (min_lr(old), min_lr(cfg))}
+    pairs |= {f"optim.{f.name}": (getattr(old.optim, f.name), getattr(cfg.optim, f.name))
+              for f in dataclasses.fields(cfg.optim) if f.name not in ("lr", "min_lr")}
+    changed = [f"{key} {a} -> {b}" for key, (a, b) in pairs.items() if a != b]
+    if not changed:
+        return None
+    return (f"note: {', '.join(changed)} since the checkpoint: the lr schedule is rebuilt from this config; lr at "
+            f"iteration {start.iteration}: {lr_at(old, start.iteration):.3g} before, {lr_at(cfg, start.iteration):.3g} "
+            f"now")
+
+
 def setup(cfg: Config, layout: Layout, device, run_dir: Path) -> Run:
     """Tokenizer -> shape -> memory preflight -> model and optimizer -> resume -> this rank's data."""
     t = cfg.train
@@ -70,6 +92,8 @@ def setup(cfg: Config, layout: Layout, device, run_dir: Path) -> Run:
     preflight(cfg, layout, shape, device, run_dir)  # memory estimate; stops if it cannot fit
     state = build(cfg, shape, device, prepare=checkpoint.fsdp_weights_loader(cfg))
     start = checkpoint.maybe_load(cfg, state)
+    if start.resumed and (note := schedule_note(cfg, start)):
+        D.print0(note)
     train_samples = train_dataset_size(cfg, start)
     evals = t.iters // t.eval_interval + 1 if t.eval_interval else 0
     chunks, packed = len(state.model), str(cfg.data.format) == "sft"  # packed: every stage reads its batches
