@@ -1,13 +1,18 @@
-"""Hugging Face <-> template checkpoints: Llama 2 / 3.x (RoPE scaling), Mistral, Qwen2 / Qwen2.5 (q, k, v biases),
-Qwen3 (QK-norm, explicit head dim), Mixtral and Qwen3-MoE (mixtures of experts); GQA, tied or untied embeddings.
+"""Hugging Face <-> template checkpoints, for the families listed below (config.json's model_type; what each adds:
+docs/hf.md), from a downloaded directory or a hub id (`--hf-dir Qwen/Qwen3-8B`: huggingface_hub's cache and token).
 Which config.json fields map to which model.* fields: training/interop/hf_config.py.
 
     .venv/bin/python tools/convert_hf.py import --hf-dir ~/hf/Llama-2-7b-hf --out ckpts/llama2 --name llama2_hf --check
+    .venv/bin/python tools/convert_hf.py import --hf-dir Qwen/Qwen3-8B --revision main --out ckpts/qwen3 --name qwen3
     NPROC=8 launch/train.sh model=local/llama2_hf parallel.tp=4 checkpoint.load=ckpts/llama2 checkpoint.finetune=true
     .venv/bin/python tools/convert_hf.py export --ckpt outputs/<run>/checkpoints --out ~/hf/llama2-tuned --check \
         --tokenizer-dir ~/hf/Llama-2-7b-hf
 
-import: reads config.json + model.safetensors (or shards + model.safetensors.index.json), derives the model config from
+import: --hf-dir is a directory or a hub id (owner/name, not a local path): the hub's files a conversion reads
+(config.json, *.safetensors, the tokenizer and chat template) are downloaded into the Hugging Face cache (HF_HOME /
+HF_HUB_CACHE; a progress bar while it downloads; HF_TOKEN or `hf auth login` for gated models; HF_HUB_OFFLINE=1:
+from the cache only) at --revision (a branch, tag or commit; default main); --adapter takes a hub id too. It
+reads config.json + model.safetensors (or shards + model.safetensors.index.json), derives the model config from
 config.json, writes it as a preset (conf/model/local/<name>.yaml, selected as model=local/<name>; git ignores
 conf/model/local/ and the tests do not collect it; or --preset-out) and a template checkpoint (<out>/iter_0000000 +
 <out>/latest, the model config in its run.json) that train.py loads at any tp / pp / dp layout, in the checkpoint's
@@ -76,15 +81,18 @@ def do_import(args, overrides: list[str]) -> bool:
     from training.config.schema import ParallelConfig
     from training.config.validate import validate
     from training.engine.build import build
-    from training.interop import hf, hf_check, hf_config, hf_deepseek, hf_stream
+    from training.interop import hf, hf_check, hf_config, hf_deepseek, hf_stream, hub
     from training.interop.hf_export import empty_dir, removed_on_failure
     from training.interop.progress import Progress, files_summary
     from training.parallel import dist as D
 
     if args.adapter:  # a PEFT adapter onto an imported base checkpoint
         from training.interop.peft_import import import_adapter
+        args.adapter = str(hub.model_dir(args.adapter, args.revision, "--adapter"))
         return import_adapter(args, overrides)
-    hf_dir = Path(args.hf_dir or "--hf-dir not given")
+    from_hub = bool(args.hf_dir) and hub.is_hub_id(args.hf_dir)  # named after the repository, not its snapshot
+    hf_dir = hub.model_dir(args.hf_dir, args.revision) if args.hf_dir else Path("--hf-dir not given")
+    source = f"{args.hf_dir}@{args.revision or 'main'} ({hf_dir.resolve()})" if from_hub else str(hf_dir.resolve())
     if not (hf_dir / "config.json").is_file():
         raise TemplateError(f"{hf_dir} has no config.json: point --hf-dir at a downloaded Hugging Face model")
     published = json.loads((hf_dir / "config.json").read_text())
@@ -97,8 +105,9 @@ def do_import(args, overrides: list[str]) -> bool:
         raise TemplateError(f"not overridable on import: {fixed or 'parallel.*'} (the shape comes from "
                             f"config.json; import runs in one process; train at any layout afterwards)")
     cfg = compose(overrides)
+    folder = args.hf_dir.rsplit("/", 1)[-1] if from_hub else hf_dir.resolve().name
     fields["name"] = args.name or (Path(args.preset_out).stem if args.preset_out else
-                                   re.sub(r"[^a-z0-9_]+", "_", hf_dir.resolve().name.lower()).strip("_") or "hf")
+                                   re.sub(r"[^a-z0-9_]+", "_", folder.lower()).strip("_") or "hf")
     for group in ("moe", "rope_scaling", "mla"):  # a mixture of experts; Llama 3's RoPE scaling; DeepSeek's MLA
         for key, value in fields.pop(group, {}).items():
             if f"model.{group}.{key}" not in overridden:
@@ -130,7 +139,7 @@ def do_import(args, overrides: list[str]) -> bool:
                                    strategy=hf_stream.streaming_save(state, weights, progress))
             progress.close()
         preset.parent.mkdir(parents=True, exist_ok=True)
-        preset.write_text(f"# {cfg.model.name}: imported from {hf_dir.resolve()} by tools/convert_hf.py (derived from "
+        preset.write_text(f"# {cfg.model.name}: imported from {source} by tools/convert_hf.py (derived from "
                           f"its config.json;\n# the shape fields must match the checkpoint's weights).\n"
                           + OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         tokenizer = f" data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "byte" else ""
@@ -144,11 +153,23 @@ def do_import(args, overrides: list[str]) -> bool:
         return not args.check or hf_check.check_checkpoint(cfg, shape, path, hf_dir, args.tolerance)
 
 
+def families() -> str:
+    """Every config.json model_type import takes (training/interop/hf_config.py), for --help."""
+    from training.interop.hf_config import FAMILIES
+
+    return "families (config.json model_type): " + ", ".join(FAMILIES)
+
+
 def parse(argv: list[str]):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    description = __doc__.split("\n\n")[0].replace("\n", " ")
+    parser = argparse.ArgumentParser(description=description, epilog=families() + "; more: the module docstring "
+                                     "(tools/convert_hf.py) and docs/hf.md")
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="Hugging Face directory -> template checkpoint + model preset")
-    imp.add_argument("--hf-dir", help="local directory with config.json and *.safetensors")
+    imp = sub.add_parser("import", help="Hugging Face directory or hub id -> template checkpoint + model preset",
+                         epilog=families())
+    imp.add_argument("--hf-dir", help="a directory with config.json and *.safetensors, or a hub id (owner/name: "
+                                      "downloaded into the Hugging Face cache, HF_TOKEN for gated models)")
+    imp.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
     imp.add_argument("--out", required=True, help="checkpoint directory to create (checkpoint.load=...)")
     imp.add_argument("--adapter", help="a PEFT LoRA adapter directory onto --base: an adapters-only checkpoint")
     imp.add_argument("--base", help="--adapter: the base model's checkpoint (written by convert_hf import)")
