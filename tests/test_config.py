@@ -205,6 +205,13 @@ UNKNOWN = {  # override -> the one line: with or without `+`, in a {...} value, 
     "paralel=tp2_sp": "unknown key 'paralel' (did you mean parallel?)",
     "tp=2": "unknown key 'tp' (did you mean parallel.tp?)",
     "+zzz=1": "unknown key 'zzz' (the keys are in training/config/schema.py)",
+    # names people bring (training/config/aliases.py): not the nearest spelling (parallel.overlap_param_gather)
+    "parallel.tensor_parallel=2": "unknown key 'parallel.tensor_parallel' (did you mean parallel.tp?)",
+    "tensor_model_parallel_size=2": "unknown key 'tensor_model_parallel_size' (Megatron-LM's name; here: parallel.tp)",
+    "parallelism.pipeline_parallel_degree=2": "unknown key 'parallelism.pipeline_parallel_degree' (torchtitan's "
+                                              "name; here: parallel.pp)",
+    "learning_rate=1e-4": "unknown key 'learning_rate' (HF's name; here: optim.lr)",
+    "train.max_step=5": "unknown key 'train.max_step' (like HF's max_steps; here: train.iters)",
     # a group that conf/config.yaml already selects (Hydra: "Multiple values for experiment...")
     "+experiment=tiny_tp2_sp": "'+experiment=...' adds a config group, but experiment is already one "
                                "(conf/config.yaml's defaults): write experiment=tiny_tp2_sp",

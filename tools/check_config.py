@@ -39,8 +39,11 @@ def check(argv: list[str]) -> None:
                         "override): checkpoint.load=auto loads its newest checkpoint")
     args, overrides = parser.parse_known_args(argv)
     if flags := [a for a in overrides if a.startswith("-")]:
+        from training.config.aliases import alias, exact
+
+        hint = exact(flags[0]) or alias(flags[0])
         raise LaunchError(f"unknown option {flags[0]}: tools/check_config.py takes --nproc, --port and --run-dir; "
-                          f"the other arguments are Hydra overrides (key=value)")
+                          f"the other arguments are Hydra overrides (key=value)" + (f"; {hint}" if hint else ""))
     quiet_known_noise()
     check_mcore_version()
     cfg = compose(overrides)

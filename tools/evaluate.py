@@ -39,7 +39,8 @@ def parse_args(argv):
     ap.add_argument("overrides", nargs="*", help="overrides: parallel.tp=2, train.micro_batch_size=8, ...")
     ap.add_argument("--ckpt", required=True, help="a checkpoint directory (with `latest`) or an iter_* directory")
     source = ap.add_mutually_exclusive_group()
-    source.add_argument("--text", help="a text file: one document per non-empty line")
+    source.add_argument("--text", help="a text file: one document per non-empty line, each followed by the "
+                        "end-of-document token (counted and predicted, as in training): every token once")
     source.add_argument("--data", help="a preprocessed dataset prefix (.bin/.idx): its validation split")
     source.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (lm-eval ls tasks)")
     lm = ap.add_argument_group("lm-evaluation-harness (--tasks)")
@@ -156,9 +157,25 @@ def run(args) -> None:
                   f"batches of {result['source']} | {result['layout']} | {path}", flush=True)
 
 
+def check_layout(args) -> None:
+    """Spawned here (not under torchrun): the layout against --nproc before any process starts."""
+    from training.config.validate import validate
+    from training.interop.generation import inference_config
+
+    cfg = inference_config(args.ckpt, args.overrides, for_generation=False)[0]
+    if args.data:
+        cfg.data.paths, cfg.data.weights = [args.data], None
+    if args.text:  # as run sizes it: one micro-batch per DP rank
+        dp = max(args.nproc // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp), 1)
+        cfg.train.global_batch_size = cfg.train.micro_batch_size * dp
+    validate(cfg, args.nproc)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tasks and (code := exit_on_error(check_tasks, args)):
+        return code
+    if not args.tasks and "WORLD_SIZE" not in os.environ and (code := exit_on_error(check_layout, args)):
         return code
     return run_local(run, args, args.nproc)
 

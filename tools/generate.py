@@ -83,9 +83,23 @@ def check(args) -> None:
         ChatTemplate.load(args.tokenizer)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if "WORLD_SIZE" not in os.environ and (args.nproc > 1 or any(o.startswith("parallel.") for o in args.overrides)):
+        from training.interop.generation import inference_config, random_config  # the layout against --nproc
+
+        cfg = (inference_config(args.ckpt, args.overrides) if args.ckpt else random_config(args.overrides))[0]
+        if problem := replica_problem(args.nproc, cfg):
+            raise ConfigError(problem)
     if not args.greedy and (args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0):
         raise ConfigError(f"--temperature={args.temperature} must be > 0, --top-p={args.top_p} in (0, 1], "
                           f"--top-k={args.top_k} >= 0 (or --greedy)")
+
+
+def replica_problem(world: int, cfg) -> str | None:
+    p = cfg.parallel
+    if world != p.tp * p.pp:
+        return (f"generation runs one model replica: {world} processes but parallel.tp * pp = {p.tp} * {p.pp} = "
+                f"{p.tp * p.pp} (start tp * pp processes: --nproc {p.tp * p.pp})")
+    return None
 
 
 def interactive(args) -> bool:
@@ -111,10 +125,9 @@ def run(args) -> None:
     from training.parallel import dist as D
 
     cfg, shape, path = inference_config(args.ckpt, args.overrides) if args.ckpt else random_config(args.overrides)
-    world, p = int(os.environ.get("WORLD_SIZE", "1")), cfg.parallel
-    if world != p.tp * p.pp:
-        raise ConfigError(f"generation runs one model replica: {world} processes but parallel.tp * pp = {p.tp} * "
-                          f"{p.pp} = {p.tp * p.pp} (start tp * pp processes: --nproc {p.tp * p.pp})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if problem := replica_problem(world, cfg):  # under torchrun (spawned here, check found it before any process)
+        raise ConfigError(problem)
     texts = prompts_of(args)
     if not texts and world > 1:  # only a terminal's conversation has no prompts (check)
         raise ConfigError(f"the conversation on a terminal runs in one process ({world} here): give --prompt or "

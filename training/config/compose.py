@@ -13,6 +13,7 @@ import difflib
 import re
 from pathlib import Path
 
+from training.config import aliases
 from training.config.schema import Config, register, to_config
 from training.errors import ConfigError
 
@@ -58,7 +59,12 @@ def schema_keys(cls: type = Config, prefix: str = "") -> list[str]:
 def unknown_key(key: str) -> str:
     """`unknown key 'key' (did you mean <nearest>?)`: nearest by the whole key, else by its last part."""
     keys = schema_keys()
-    near = difflib.get_close_matches(key, keys, n=1)
+    if hint := aliases.exact(key):  # another framework's name: tensor_model_parallel_size, learning_rate
+        return f"unknown key '{key}' ({hint})"
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)  # a typo of ours: paralel.tp
+    if not near and (hint := aliases.alias(key)):  # parallel.tensor_parallel -> parallel.tp
+        return f"unknown key '{key}' ({hint})"
+    near = near or difflib.get_close_matches(key, keys, n=1)
     if not near:  # `tp=2` -> parallel.tp
         leaves = {k.rsplit(".", 1)[-1]: k for k in reversed(keys)}
         near = [leaves[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1)]
