@@ -103,6 +103,9 @@ INVALID = {
     "fsdp-choice": (["parallel.fsdp=zero3"], 1, "parallel.fsdp: Invalid value 'zero3', expected one of [none, "),
     "lr-below-min": (["optim.lr=1e-5", "optim.min_lr=1e-4"], 1, "optim.lr=1e-05 must be >= optim.min_lr=0.0001"),
     "dropout-range": (["model.hidden_dropout=1.5"], 1, "dropout must be in [0, 1)"),
+    "learned-positions-beyond-table": (["model=gpt2_124m", "model.max_position_embeddings=1024",
+                                        "model.seq_length=2048"], 1, "model.seq_length=2048 > "
+                                       "model.max_position_embeddings=1024: learned position embeddings have a row"),
     "blend-weights-count": (["data.paths=[a,b]", "data.weights=[1.0]"], 1,
                             "data.weights has 1 entries but data.paths has 2"),
     "missing-checkpoint": (["checkpoint.load=/nonexistent/ckpt"], 1,
@@ -267,3 +270,13 @@ def test_learning_rates_follow_the_run_and_say_so():
         end = 0.0 if "optim.min_lr=0" in overrides else peak / 10
         assert (kwargs["max_lr"], kwargs["min_lr"], optimizer.lr, optimizer.min_lr) == pytest.approx((peak, end, peak, end)), overrides
         assert words in od.describe(cfg) and f"lr {peak:.0e} -> {end:.0e}" in od.describe(cfg), od.describe(cfg)
+
+
+def test_a_sequence_past_the_checkpoints_context_is_a_note_with_rope():
+    from training.config.validate import notes
+
+    assert notes(compose(["model.max_position_embeddings=64", "model.seq_length=64"])) == []
+    (note,) = notes(compose(["model.max_position_embeddings=32", "model.seq_length=64"]))
+    assert note.startswith("note: model.seq_length=64 > model.max_position_embeddings=32, the context the checkpoint "
+                           "was trained for: RoPE runs past it"), note
+    validate(compose(["model.max_position_embeddings=32", "model.seq_length=64"]), 1)  # allowed

@@ -37,3 +37,13 @@ def test_a_layout_that_does_not_fit_nproc_is_refused_before_any_process(tool_nam
     assert tool.main(["--ckpt", str(CKPT), *argv]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("error: ") and any(shown.startswith(line) for shown in lines), lines
+
+
+def test_the_launchers_check_prints_the_configs_notes(capsys):
+    """tools/check_config.py (run by launch/train.sh before torchrun) prints validate.notes() above its ok line."""
+    from tools.check_config import main
+
+    assert main(["model.max_position_embeddings=32", "model.seq_length=64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("note: model.seq_length=64 > model.max_position_embeddings=32") and \
+        out[1].startswith("config ok: "), out

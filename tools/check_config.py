@@ -25,7 +25,7 @@ def check(argv: list[str]) -> None:
     from training.config import optim_defaults
     from training.config.compose import compose
     from training.config.paths import check_paths
-    from training.config.validate import validate
+    from training.config.validate import notes, validate
     from training.errors import ConfigError, LaunchError
     from training.parallel.spawn import port_problem
     from training.shims.cpu_compat import check_mcore_version
@@ -55,6 +55,8 @@ def check(argv: list[str]) -> None:
         raise ConfigError("\n".join(found))
     if args.port is not None and (problem := port_problem(args.port)):
         raise LaunchError(problem)
+    for note in notes(cfg):
+        print(note)
     print(f"config ok: {layout.describe()}; {optim_defaults.describe(cfg)}")
 
 

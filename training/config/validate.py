@@ -71,6 +71,10 @@ def model_problems(cfg: Config, shape: ModelShape) -> list[str]:
         out.append(f"model.moe.dense_layers={list(m.moe.dense_layers)}: {outside} are not 0-based layer indices "
                    f"below model.num_layers={m.num_layers}")
     out += shape.problems()  # the shape's own rules (models/shape.py: seq_length within a sliding window)
+    if m.max_position_embeddings and m.seq_length > m.max_position_embeddings and str(m.position_embedding) != "rope":
+        out.append(f"model.seq_length={m.seq_length} > model.max_position_embeddings={m.max_position_embeddings}: "
+                   f"learned position embeddings have a row per position up to {m.max_position_embeddings} (the "
+                   f"checkpoint's): set model.seq_length <= {m.max_position_embeddings}")
     if m.make_vocab_size_divisible_by < 1:
         out.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
     if m.compile and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
@@ -151,6 +155,17 @@ def data_problems(cfg: Config, layout: Layout) -> list[str]:
     if layout.cp > 1:
         out.append(f"data.format=sft with parallel.cp={layout.cp}: context parallelism does not take packed "
                    f"sequences here (each rank's zigzag share would cut through conversations): use parallel.cp=1")
+    return out
+
+
+def notes(cfg: Config) -> list[str]:
+    """What is allowed but worth a line: printed before the config line (tools/check_config.py, the ranks)."""
+    m, out = cfg.model, []
+    if m.max_position_embeddings and m.seq_length > m.max_position_embeddings:  # learned positions: a problem
+        scaled = f" (model.rope_scaling.type={m.rope_scaling.type})" if str(m.rope_scaling.type) != "none" else ""
+        out.append(f"note: model.seq_length={m.seq_length} > model.max_position_embeddings={m.max_position_embeddings}"
+                   f", the context the checkpoint was trained for: RoPE{scaled} runs past it, untrained there (set "
+                   f"model.rope_scaling.* to extend the context, or model.seq_length <= {m.max_position_embeddings})")
     return out
 
 

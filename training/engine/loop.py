@@ -21,6 +21,7 @@ from training import checkpoint
 from training.config import optim_defaults
 from training.config.optim_defaults import min_lr, peak_lr
 from training.config.schema import Config, to_config
+from training.config.validate import notes
 from training.data.build import build_datasets
 from training.data.datasets import resolve_vocab_size
 from training.data.streams import micro_batch_streams, reads_data
@@ -89,6 +90,8 @@ def setup(cfg: Config, layout: Layout, device, run_dir: Path) -> Run:
     shape = ModelShape.of(cfg.model, resolve_vocab_size(cfg, tokenizer))
     if clash := set(extra_stats(shape)) & RESERVED_KEYS:
         raise ConfigError(f"extra losses {sorted(clash)} (the blocks' `extra_losses`) are metrics keys: rename them")
+    for note in notes(cfg):
+        D.print0(note)
     preflight(cfg, layout, shape, device, run_dir)  # memory estimate; stops if it cannot fit
     state = build(cfg, shape, device, prepare=checkpoint.fsdp_weights_loader(cfg))
     start = checkpoint.maybe_load(cfg, state)
