@@ -4,6 +4,7 @@ planner for a 7B-shaped model on 24 GB GPUs. (One process's numbers: tests/test_
 tests/test_whole_step.py's tp2-mlp cases, which also hold each rank's built parameters to the estimate.)"""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -135,3 +136,8 @@ def test_planner_shows_mlp_only_tp_for_7b_on_24gb():
                                      padded * h)  # the first or the last stage (final norm + output layer)
     note = minimal_tp_note(rows)
     assert note.startswith("minimal TP (#") and "without TP" in note and "full TP" in note, note
+    from training.estimate.compare import than  # a difference reads with its sign in words, never "-0.3 GB ... less"
+
+    assert (than(8.0, 10.0), than(10.3, 10.0), than(10.02, 10.0)) == ("2.0 GB (20%) less", "0.3 GB (3%) more",
+                                                                       "about the same")
+    assert not re.search(r"-\d", note.split("minimal TP (#")[1]), note

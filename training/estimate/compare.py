@@ -1,6 +1,7 @@
 """The planner's rows side by side (tools/plan.py): what minimal tensor parallelism (parallel.tp_blocks) saves.
 
     splits(row)             "all", "mlp", "mlp+vocab" (what tp splits), "-" at tp 1
+    than(gb, other)         `1.2 GB (15%) less` / `0.3 GB (4%) more` / `about the same`, never a negative "less"
     minimal_tp_note(rows)   one line: the best-ranked partial-TP row against DP alone and against full TP at
                             the same other settings (pp, vpp, cp, ep, optimizer sharding, recompute)
 
@@ -33,11 +34,17 @@ def minimal_tp_note(rows: list[dict]) -> str | None:
            f"{'dist_opt, ' if row['dist_opt'] else ''}recompute {row['recompute']}): {total:.1f} GB per GPU, "
            f"fits: {'yes' if row['fits'] else 'no'}")
     if (dp := _find(rows, row, tp=1)) is not None:
-        saved = dp["mem_gb"]["total"] - total
-        out += (f"; without TP (dp {dp['dp']}): {dp['mem_gb']['total']:.1f} GB, so {saved:.1f} GB "
-                f"({saved / dp['mem_gb']['total']:.0%}) less")
+        out += f"; without TP (dp {dp['dp']}): {dp['mem_gb']['total']:.1f} GB, so {than(total, dp['mem_gb']['total'])}"
     if (full := _find(rows, row, tp=row["tp"], sp=False, tp_blocks=["attention", "mlp", "vocab"])) is not None:
-        more = total - full["mem_gb"]["total"]
-        out += (f"; full TP (tp {full['tp']}): {full['mem_gb']['total']:.1f} GB, so {more:.1f} GB more, for "
-                f"{row['comm_gb']['tp']:.1f} GB of TP traffic a step instead of {full['comm_gb']['tp']:.1f}")
+        out += (f"; full TP (tp {full['tp']}): {full['mem_gb']['total']:.1f} GB, so "
+                f"{than(total, full['mem_gb']['total'])}, for {row['comm_gb']['tp']:.1f} GB of TP traffic a step "
+                f"instead of {full['comm_gb']['tp']:.1f}")
     return out
+
+
+def than(gb: float, other: float) -> str:
+    """`1.2 GB (15%) less` / `0.3 GB (4%) more` / `about the same` (within 0.05 GB): gb against other."""
+    if abs(gb - other) < 0.05:
+        return "about the same"
+    share = f" ({abs(gb - other) / other:.0%})" if other > 0 else ""
+    return f"{abs(gb - other):.1f} GB{share} {'less' if gb < other else 'more'}"
