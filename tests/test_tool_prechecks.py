@@ -47,3 +47,22 @@ def test_the_launchers_check_prints_the_configs_notes(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("note: model.seq_length=64 > model.max_position_embeddings=32") and \
         out[1].startswith("config ok: "), out
+
+
+def test_the_adapter_imports_continue_line_selects_the_base_model():
+    """import --adapter prints the command that continues training: with the base's model preset selected (as
+    convert_hf import wrote it: conf/model/local/NAME.yaml, or a shipped conf/model/NAME.yaml)."""
+    from training.interop.peft_import import model_selection
+
+    local = ROOT / "conf" / "model" / "local"
+    made_dir, preset = not local.exists(), local / "adapter_base_test.yaml"
+    local.mkdir(exist_ok=True)
+    preset.write_text("num_layers: 2\n")
+    try:
+        assert model_selection("adapter_base_test") == "model=local/adapter_base_test"
+    finally:
+        preset.unlink()
+        if made_dir:
+            local.rmdir()
+    assert model_selection("llama3_2_1b") == "model=llama3_2_1b"
+    assert model_selection("nowhere").startswith("model=<the base's preset: nowhere")

@@ -171,9 +171,23 @@ def import_adapter(args, overrides: list[str]) -> bool:
         count = load_adapter(state, tensors)
         checkpoint.save(cfg, state, iteration=0, consumed_samples=0, model_only=True)
     form = "; ".join(why) or "no q/k/v or gate/up projections"  # fused or canonical, and why
+    tokenizer = f" data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "byte" else ""
+    dropout = f" peft.dropout={cfg.peft.dropout:g}" if cfg.peft.dropout else ""
     print(f"imported the PEFT adapter {adapter_dir} ({count / 1e3:.1f}K adapter parameters, r={cfg.peft.rank}, "
           f"alpha={cfg.peft.alpha:g}, targets {list(cfg.peft.targets)}: {form}) on {base}: {out}\n"
-          f"continue training with: "
-          f"peft=lora peft.rank={cfg.peft.rank} peft.alpha={cfg.peft.alpha:g} "
-          f"'peft.targets=[{','.join(cfg.peft.targets)}]' checkpoint.load={out} checkpoint.finetune=true", flush=True)
+          f"continue training with: {model_selection(cfg.model.name)} "
+          f"peft=lora peft.rank={cfg.peft.rank} peft.alpha={cfg.peft.alpha:g}{dropout} "
+          f"'peft.targets=[{','.join(cfg.peft.targets)}]' checkpoint.load={out} checkpoint.finetune=true{tokenizer}",
+          flush=True)
     return True
+
+
+def model_selection(name: str) -> str:
+    """model=local/NAME (where convert_hf import writes a preset) or model=NAME (a shipped preset) for the base's
+    model; else a placeholder that says where it comes from."""
+    presets = Path(__file__).resolve().parents[2] / "conf" / "model"
+    if (presets / "local" / f"{name}.yaml").is_file():
+        return f"model=local/{name}"
+    if (presets / f"{name}.yaml").is_file():
+        return f"model={name}"
+    return f"model=<the base's preset: {name}, as convert_hf import printed it>"
