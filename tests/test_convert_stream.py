@@ -57,6 +57,22 @@ def _tensors(path: Path) -> dict:
     return tensors
 
 
+def _stored_as(iteration: Path, dtype: torch.dtype) -> None:
+    """Every tensor the checkpoint's metadata records is `dtype`, and its .distcp files hold those tensors' bytes
+    (+ 1% and 128 KiB for DCP's per-file headers and the pickled non-tensor entries): fp32 written for a bf16
+    model would double the disk and still load back equal."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = {k: v for k, v in FileSystemReader(str(iteration)).read_metadata().state_dict_metadata.items()
+               if isinstance(v, TensorStorageMetadata)}
+    assert tensors and {v.properties.dtype for v in tensors.values()} == {dtype}, \
+        {k: v.properties.dtype for k, v in tensors.items()}
+    stored = sum(v.size.numel() * dtype.itemsize for v in tensors.values())
+    on_disk = sum(f.stat().st_size for f in iteration.glob("*.distcp"))
+    assert stored <= on_disk <= 1.01 * stored + 128 * 1024, (stored, on_disk)  # measured: +70 KB of 345 KB
+
+
 def test_bf16_round_trip_across_shards_and_loads_at_tp2_pp2(tmp_path):
     """A bf16 Llama in 9 shards (its layers split across files) -> import (the checkpoint stays bf16) -> export in
     ~20 KB shards: every tensor bit-identical and bf16, both indexes complete, config.json bf16; the import at tp2
@@ -71,6 +87,7 @@ def test_bf16_round_trip_across_shards_and_loads_at_tp2_pp2(tmp_path):
                                                str(tmp_path / "conf" / "model" / "streamed.yaml")])
     assert code == 0, err
     assert "(bf16)" in out
+    _stored_as(tmp_path / "ckpt" / "iter_0000000", torch.bfloat16)
     code, out, err = convert_main(convert_hf, ["export", "--ckpt", str(tmp_path / "ckpt"), "--out",
                                                str(tmp_path / "exported"), "--max-shard-gb", "0.00002"])
     assert code == 0, err
@@ -148,16 +165,22 @@ def test_memory_grows_with_the_largest_shard_not_the_model(tmp_path):
                              "--preset-out", str(tmp_path / f"{name}.yaml")])
         checked = _max_rss(["export", "--ckpt", str(tmp_path / f"{name}_ckpt"), "--out",
                             str(tmp_path / f"{name}_export"), "--max-shard-gb", str(16 / 1024), "--check"])
+        whole = _max_rss(["export", "--ckpt", str(tmp_path / f"{name}_ckpt"), "--out",  # one shard: the whole model
+                          str(tmp_path / f"{name}_one"), "--max-shard-gb", "1"])
         rows[name] = (imported, checked, sum(f.stat().st_size for f in (tmp_path / name).glob("*.safetensors")),
-                      max(f.stat().st_size for f in (tmp_path / name).glob("*.safetensors")))
+                      max(f.stat().st_size for f in (tmp_path / name).glob("*.safetensors")), whole)
     model_bytes, largest_shard = rows["large"][2], rows["large"][3]
     slack = largest_shard + 2 * 4 * arch["vocab_size"] * arch["hidden_size"] + 64 * 2**20
     grew = {"import": rows["large"][0] - rows["small"][0], "export --check": rows["large"][1] - rows["small"][1]}
+    # one shard of the whole model: written tensor by tensor (safetensors_stream.py), not held until it is full
+    one_shard = rows["large"][4] - rows["small"][4], 2 * 2 * arch["vocab_size"] * arch["hidden_size"] + 64 * 2**20
     message = (f"model {model_bytes / 2**20:.0f} MiB, largest shard {largest_shard / 2**20:.1f} MiB, slack "
                f"{slack / 2**20:.0f} MiB; peak RSS small/large: import {rows['small'][0] / 2**20:.0f}/"
                f"{rows['large'][0] / 2**20:.0f} MiB, export --check {rows['small'][1] / 2**20:.0f}/"
-               f"{rows['large'][1] / 2**20:.0f} MiB")
+               f"{rows['large'][1] / 2**20:.0f} MiB, export to one shard {rows['small'][4] / 2**20:.0f}/"
+               f"{rows['large'][4] / 2**20:.0f} MiB")
     print(message)
     assert model_bytes > 2 * slack, message  # holding the model would break the bound
     for step, extra in grew.items():
         assert extra < slack, f"{step} grew {extra / 2**20:.0f} MiB: {message}"
+    assert one_shard[0] < one_shard[1], f"export to one shard grew {one_shard[0] / 2**20:.0f} MiB: {message}"

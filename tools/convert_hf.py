@@ -30,7 +30,7 @@ relative to max |logit|, and how each side was run; exit 1 when the relative one
 
 Memory (streamed, docs/hf.md "Big checkpoints"): import and export never hold the model: the model is built on the
 meta device, import writes the checkpoint tensor by tensor as it reads the safetensors (training/interop/
-hf_stream.py), export reads one parameter at a time (ckpt_reader.py) into shards written as they fill, and --check
+hf_stream.py), export reads one parameter at a time (ckpt_reader.py) into shards written tensor by tensor, and --check
 runs both models with each module's weights loaded just before its forward (hf_check.py). Peak: about 1 GB of
 libraries + the largest shard + a few of the largest tensor (tools/bench_convert.py measures it). Not streamed: a
 LoRA run's export and an FSDP checkpoint's (the model is loaded whole). An interrupted or failed conversion removes

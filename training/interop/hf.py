@@ -109,49 +109,11 @@ class HFWeights:
 
 
 def write_safetensors(items, directory: Path, max_shard_bytes: int, progress=None) -> int:
-    """Write (name, tensor) items as model.safetensors, or shards of at most max_shard_bytes (a larger tensor
-    alone) + model.safetensors.index.json, streaming: each shard is written when full, so memory holds one
-    shard. Shards are written under temporary names and renamed once all are written (nothing half-written looks
-    complete; the caller writes config.json last). progress(bytes so far) after each tensor. Returns bytes."""
-    from safetensors.torch import save_file
+    """Write (name, tensor) items as model.safetensors, or shards of at most max_shard_bytes + the index, one
+    tensor in memory at a time (training/interop/safetensors_stream.py). Returns bytes."""
+    from training.interop import safetensors_stream
 
-    parts, current, size, total = [], {}, 0, 0
-
-    def flush():
-        part = directory / f".part-{len(parts) + 1:05d}.safetensors.tmp"
-        save_file(current, str(part), metadata={"format": "pt"})
-        parts.append((part, list(current)))
-
-    try:
-        for name, tensor in items:
-            tensor = tensor.detach().contiguous()
-            if tensor.untyped_storage().nbytes() != tensor.nbytes:  # a view (q/k/v, gate/up): its own storage
-                tensor = tensor.clone()
-            if current and size + tensor.nbytes > max_shard_bytes:
-                flush()
-                current, size = {}, 0
-            current[name] = tensor
-            size += tensor.nbytes
-            total += tensor.nbytes
-            if progress is not None:
-                progress(total)
-        flush()
-        current = {}
-    except BaseException:
-        for part, _ in parts:
-            part.unlink(missing_ok=True)
-        raise
-    if len(parts) == 1:
-        parts[0][0].rename(directory / "model.safetensors")
-        return total
-    weight_map = {}
-    for i, (part, names) in enumerate(parts):
-        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        part.rename(directory / file)
-        weight_map.update(dict.fromkeys(names, file))
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    return total
+    return safetensors_stream.write(items, directory, max_shard_bytes, progress)
 
 
 # ---- weights into / out of a built GPT (one process, tp=1, pp=1) ----------------------------------------------
