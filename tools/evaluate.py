@@ -159,6 +159,7 @@ def run(args) -> None:
 
 def check_layout(args) -> None:
     """Spawned here (not under torchrun): the layout against --nproc before any process starts."""
+    quiet_known_noise()  # before Megatron-Core's imports warn
     from training.config.validate import validate
     from training.interop.generation import inference_config
 

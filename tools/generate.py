@@ -84,6 +84,7 @@ def check(args) -> None:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if "WORLD_SIZE" not in os.environ and (args.nproc > 1 or any(o.startswith("parallel.") for o in args.overrides)):
+        quiet_known_noise()  # before Megatron-Core's imports warn
         from training.interop.generation import inference_config, random_config  # the layout against --nproc
 
         cfg = (inference_config(args.ckpt, args.overrides) if args.ckpt else random_config(args.overrides))[0]
