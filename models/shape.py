@@ -206,6 +206,9 @@ class ModelShape:
                     f"model.num_layers={self.num_layers} layers (or null)"]
         if window is None and "sliding" in self.layer_types:
             return ["model.layer_types names sliding layers: set model.sliding_window (their window, in tokens)"]
+        if self.activation == "clamped_swiglu" and any(b.mlp in _UNCLAMPED for b in self.layers):  # act(gate) * up
+            return ["model.mlp=gated_mlp computes act(gate) * up, not model.activation=clamped_swiglu's clamps and "
+                    "up + 1: use model.mlp=mlp"]
         return [f"model.{name}={value} must be > 0 (or null: none)" for name in
                 ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar")
                 if (value := getattr(self, name)) is not None and not value > 0]
@@ -267,6 +270,9 @@ def _rope_scaling(scaling) -> RopeScaling | None:
         int(scaling.original_max_position), float(scaling.beta_fast), float(scaling.beta_slow),
         optional(scaling.mscale), optional(scaling.mscale_all_dim), optional(scaling.attention_factor),
         bool(scaling.truncate), floats(scaling.short_factor), floats(scaling.long_factor))
+
+
+_UNCLAMPED = ("gated_mlp", "models.gated_mlp:GatedMLP")  # the README's example block: GeGLU / SwiGLU only
 
 
 def _norm_problem(shape: ModelShape) -> str | None:

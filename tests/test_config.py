@@ -103,6 +103,10 @@ INVALID = {
     "fsdp-choice": (["parallel.fsdp=zero3"], 1, "parallel.fsdp: Invalid value 'zero3', expected one of [none, "),
     "lr-below-min": (["optim.lr=1e-5", "optim.min_lr=1e-4"], 1, "optim.lr=1e-05 must be >= optim.min_lr=0.0001"),
     "dropout-range": (["model.hidden_dropout=1.5"], 1, "dropout must be in [0, 1)"),
+    # models/gated_mlp.py (the README's example block) computes act(gate) * up: it trained silently as quick_gelu
+    "gated-mlp-clamped-swiglu": (["model.mlp=gated_mlp", "model.activation=clamped_swiglu"], 1,
+                                 "model.mlp=gated_mlp computes act(gate) * up, not model.activation=clamped_swiglu's "
+                                 "clamps and up + 1: use model.mlp=mlp"),
     "learned-positions-beyond-table": (["model=gpt2_124m", "model.max_position_embeddings=1024",
                                         "model.seq_length=2048"], 1, "model.seq_length=2048 > "
                                        "model.max_position_embeddings=1024: learned position embeddings have a row"),

@@ -1,7 +1,9 @@
 """tools/generate.py and the KV cache (models/kv_cache.py): greedy decoding of an imported Hugging Face Llama
 equals transformers' generate() token for token (two prompts of different lengths in one batch, at TP1 and PP2;
-TP2: tests/test_hf_families.py for Llama 3, Qwen2, Qwen3 and Qwen3-MoE); logits with the cache equal a full
-recompute at every step; seeded sampling is reproducible and the same at TP1 and TP2."""
+TP2: tests/test_hf_families.py for Llama 3, Qwen2, Qwen3 and Qwen3-MoE); logits with the cache equal each
+sequence's forward without a cache at every step, for every cached attention kind (GQA, learned positions, MLA,
+a sliding window, sinks) on models whose attention depends on position; seeded sampling is reproducible and the
+same at TP1 and TP2."""
 
 import json
 import os
@@ -92,9 +94,26 @@ def test_a_layout_that_does_not_fit_nproc_is_the_last_line_exit_2(imported):
         "processes: --nproc 3)"), proc.stderr[-2000:]
 
 
-def _cache_vs_recompute(variants: dict) -> dict:
-    """For each model variant: the last position's logits at every step of a greedy continuation, once with
-    the KV cache (prefill, then one token a step) and once recomputing the whole sequence."""
+# the cached attention kinds: GQA with RoPE, learned positions, MLA (its latent and rotated k_pe cached), a sliding
+# window shorter than the decoded length (4 < 19 positions), sinks (MLA takes neither: the config refuses them)
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96", "model.seq_length=32",
+         "checkpoint=none"]
+WINDOW = ["model.sliding_window=4", "model.layer_types=[sliding,full]"]
+MLA = ["model.attention=mla", "model.num_query_groups=null", "model.mla.q_lora_rank=24", "model.mla.kv_lora_rank=16",
+       "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=12",
+       "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position=8"]
+CACHED = {"gqa": SMALL, "sinks": [*SMALL, "model.attention_sinks=true"], "window": [*SMALL, *WINDOW],
+          "learned": [*SMALL, "model.position_embedding=learned", "model.normalization=LayerNorm",
+                      "model.activation=gelu", "model.num_query_groups=4"],
+          "mla": [*SMALL, *MLA]}
+SHARP = 5.0  # q and k weights scaled up: attention far from uniform, so a position bug changes the logits
+
+
+def _cache_vs_no_cache(variants: dict) -> dict:
+    """For each model variant (attention weights scaled by SHARP): the last position's logits at every step of a
+    decoding with the KV cache (a left-padded batch: prefill, then one token a step), and each sequence's own
+    forward without a cache (no padding, the whole prefix: the training path's masks and positions); and the
+    logits with the last token one position early (how far a position bug moves them)."""
     from models.kv_cache import KVCache
     from models.shape import ModelShape
     from training.config.compose import compose
@@ -107,35 +126,43 @@ def _cache_vs_recompute(variants: dict) -> dict:
         for name, overrides in variants.items():
             cfg = compose(overrides)
             state = build(cfg, ModelShape.of(cfg.model, 257), info.device, train=False)
-            for chunk in state.model:
-                chunk.eval()
-            prompts = [list(b"Attention"), list(b"is")]
-            longest = max(map(len, prompts))
-            pad = torch.tensor([longest - len(p) for p in prompts])
-            tokens = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-            cache = KVCache(longest + 8, pad)
-            cached, full, step_input = [], [], tokens
-            for _ in range(8):
-                cached.append(last_logits(state, step_input, cache, len(prompts)))
-                full.append(last_logits(state, tokens, KVCache(longest + 8, pad), len(prompts)))
-                picked = cached[-1].argmax(dim=-1)
+            gpt = state.model[0].eval()
+            with torch.no_grad():
+                for pname, p in gpt.named_parameters():
+                    if "self_attention" in pname and p.dim() == 2 and "linear_proj" not in pname:
+                        p.mul_(SHARP)
+            g = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, 257, (n,), generator=g).tolist() for n in (9, 3)]
+            pad = torch.tensor([0, 6])
+            tokens = torch.tensor([prompts[0], [0] * 6 + prompts[1]])
+            cache, step_input, steps = KVCache(9 + 10, pad), tokens, []
+            for _ in range(10):  # to position 18
+                cached = last_logits(state, step_input, cache, 2)
+                with torch.no_grad():
+                    alone = [tokens[i:i + 1, int(pad[i]):] for i in range(2)]
+                    full = torch.cat([gpt(t)[:, -1].float() for t in alone])
+                    # the last token one position early (RoPE is relative: moving them all would change nothing)
+                    moved = [torch.arange(t.shape[1]).clamp(max=t.shape[1] - 2)[None] for t in alone]
+                    shifted = torch.cat([gpt(t, position_ids=m, segment_ids=torch.ones_like(t))[:, -1].float()
+                                         for t, m in zip(alone, moved)])
+                steps.append((cached, full, shifted))
+                picked = torch.randint(0, 257, (2,), generator=g)  # any continuation
                 tokens, step_input = torch.cat([tokens, picked[:, None]], dim=1), picked[:, None]
-            out[name] = (cached, full)
+            out[name] = steps
     return out
 
 
-def test_kv_cache_logits_equal_full_recompute():
-    small = ["model.num_layers=2", "model.seq_length=32", "checkpoint=none"]
-    variants = {"llama": small,  # RoPE, GQA, SwiGLU
-                "gpt2": small + ["model=gpt2_124m", "model.num_layers=2", "model.hidden_size=64",
-                                 "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.vocab_size=null"]}
-    (results,) = run_distributed(_cache_vs_recompute, 1, (variants,), timeout=300)
-    for name, (cached, full) in results.items():
-        for step, (a, b) in enumerate(zip(cached, full)):
-            real = torch.isfinite(b)  # the padded vocabulary rows are -inf in both
-            assert torch.equal(real, torch.isfinite(a))
-            diff = ((a[real] - b[real]).abs().max() / b[real].abs().max()).item()
+def test_kv_cache_logits_equal_a_forward_without_cache():
+    (results,) = run_distributed(_cache_vs_no_cache, 1, (CACHED,), timeout=300)
+    for name, steps in results.items():
+        moved = []
+        for step, (cached, full, shifted) in enumerate(steps):
+            real = torch.isfinite(full)  # the padded vocabulary rows are -inf in all
+            assert torch.equal(real, torch.isfinite(cached))
+            diff = ((cached[real] - full[real]).abs().max() / full[real].abs().max()).item()
             assert diff <= 1e-5, (name, step, diff)
+            moved.append(((shifted[real] - full[real]).abs().max() / full[real].abs().max()).item())
+        assert min(moved) > 1e-2, (name, moved)  # positions matter: a position bug would show
 
 
 # ---- sampling filters (training/interop/generation.py sample): empirical frequencies of many draws ----------

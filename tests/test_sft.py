@@ -2,8 +2,9 @@
 
 Conversations here are synthetic (random token ids, a prompt part and an answer part), held in memory in the
 shape training/data/sft.py reads from PREFIX / PREFIX.mask, and packed by its PackedConversations:
-- a packed sequence's per-token losses equal each conversation's run alone (1e-5), with RoPE and with learned
-  positions, and one conversation's loss gives no gradient to another's tokens;
+- a packed sequence's per-token losses equal each conversation's run alone (1e-5), with RoPE, with learned
+  positions, with every attention option (window, sinks, soft-caps, scale, QK-norm) and with MLA, and one
+  conversation's loss gives no gradient to another's tokens;
 - prompt tokens count for nothing: the loss is the hand-computed masked mean, and changing a later prompt
   leaves the earlier answers' losses alone;
 - tp2, pp2, pp2 x vpp2, dp2 (whose ranks hold very different answer counts), and tp2 / pp2 with selective / full
@@ -15,6 +16,7 @@ import pytest
 import torch
 from harness import run_distributed
 from layouts import VOCAB, max_rel_diff, model_overrides, run_layouts
+from model_options import MLA_OPTIONS
 
 from training.data.sft import Conversations, PackedConversations, best_fit
 
@@ -162,14 +164,20 @@ def segment_of(packed, conversation: int) -> int:
 
 GPT2 = ["model.position_embedding=learned", "model.normalization=LayerNorm", "model.activation=gelu",
         "model.num_query_groups=4", "model.tie_embeddings=false"]
+# every attention option (a window of 3 < the 7-token conversation on the sliding layers, sinks, soft-caps, the
+# scale, QK-norm) and multi-latent attention (its own block: the packed mask and per-token positions reach it too)
+ATTENTION = ["model.sliding_window=3", "model.layer_types=[sliding,full,sliding,full]", "model.attention_sinks=true",
+             "model.attn_logit_softcap=3.0", "model.final_logit_softcap=5.0", "model.query_pre_attn_scalar=8",
+             "model.qk_norm=true"]
+PACKED_MODELS = {"rope": [], "learned": GPT2, "options": ATTENTION, "mla": MLA_OPTIONS}
 
 
 @pytest.mark.slow
 def test_packed_conversations_compute_what_each_computes_alone():
-    (results,) = run_distributed(_model_checks, 1, ([[], GPT2],), timeout=600)
-    for result in results:
+    (results,) = run_distributed(_model_checks, 1, (list(PACKED_MODELS.values()),), timeout=600)
+    for name, result in zip(PACKED_MODELS, results):
         for packed, alone in result["alone"]:
-            assert max_rel_diff(packed, alone) < 1e-5, (packed, alone)
+            assert max_rel_diff(packed, alone) < 1e-5, (name, packed, alone)
         grad, first = result["grad"], result["first"]
         assert (grad[:first] > 0).all(), "the first conversation's own tokens get its gradient"
         assert (grad[first:] == 0).all(), f"another conversation's tokens got gradient: {grad[first:]}"
