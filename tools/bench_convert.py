@@ -5,6 +5,7 @@ the bytes/s of each. The round trip is checked bit for bit (bf16 in, bf16 out).
 
     .venv/bin/python tools/bench_convert.py                                  # Llama-3.1-8B's shape, 2 layers, 1 GiB shards
     .venv/bin/python tools/bench_convert.py --preset qwen3_8b --layers 4 --shard-gb 2 --dir /scratch/bench --json
+    .venv/bin/python tools/bench_convert.py --preset llama3_2_1b --layers 16 --export-shard-gb 5  # one output file
 
 The checkpoint is written by this script tensor by tensor (random bf16, the names and shapes of transformers'
 model for the preset, built on the meta device), so making it needs no more memory than converting it.
@@ -110,10 +111,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama3_1_8b", help="the layer shape (a conf/model preset)")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--shard-gb", type=float, default=1.0, help="safetensors shard size (in and out)")
+    parser.add_argument("--shard-gb", type=float, default=1.0, help="safetensors shard size (in, and out unless "
+                                                                    "--export-shard-gb)")
+    parser.add_argument("--export-shard-gb", type=float, help="the export's --max-shard-gb (5: convert_hf's default, "
+                                                              "one file for a model under 5 GB)")
     parser.add_argument("--dir", default="outputs/bench_convert", help="scratch directory (removed first)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    out_gb = str(args.export_shard_gb or args.shard_gb)
     work = Path(args.dir)
     shutil.rmtree(work, ignore_errors=True)
     facts = make_checkpoint(args.preset, args.layers, args.shard_gb, work / "hf")
@@ -122,9 +127,9 @@ def main() -> int:
         "import": ["import", "--hf-dir", str(work / "hf"), "--out", str(work / "ckpt"), "--preset-out",
                    str(work / "preset.yaml")],
         "export": ["export", "--ckpt", str(work / "ckpt"), "--out", str(work / "export"),
-                   "--max-shard-gb", str(args.shard_gb)],
+                   "--max-shard-gb", out_gb],
         "export --check": ["export", "--ckpt", str(work / "ckpt"), "--out", str(work / "export_check"),
-                           "--max-shard-gb", str(args.shard_gb), "--check"],
+                           "--max-shard-gb", out_gb, "--check"],
     }
     rows = {}
     for step, argv in steps.items():

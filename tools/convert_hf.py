@@ -32,7 +32,8 @@ Memory (streamed, docs/hf.md "Big checkpoints"): import and export never hold th
 meta device, import writes the checkpoint tensor by tensor as it reads the safetensors (training/interop/
 hf_stream.py), export reads one parameter at a time (ckpt_reader.py) into shards written tensor by tensor, and --check
 runs both models with each module's weights loaded just before its forward (hf_check.py). Peak: about 1 GB of
-libraries + the largest shard + a few of the largest tensor (tools/bench_convert.py measures it). Not streamed: a
+libraries + a few of the largest tensor (import: + one checkpoint file of at most 1 GiB; safetensors are read with
+pread, never mapped) (tools/bench_convert.py measures it). Not streamed: a
 LoRA run's export and an FSDP checkpoint's (the model is loaded whole). An interrupted or failed conversion removes
 its --out. Exit codes: 0 ok, 1 the check failed, 2 an error.
 """

@@ -32,9 +32,10 @@ FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 5e-2  # max |logit diff| / max |logit| (b
 
 class HFWeights:
     """The tensors of <dir>/model.safetensors or the shards named by model.safetensors.index.json, read on demand
-    (one tensor in memory at a time, one shard open: the memory map of a shard read before is released, so a
-    streamed import holds at most one shard's pages); remembers which were read. A tensor stored in MXFP4 (gpt-oss's
-    experts: `name_blocks` and `name_scales`) is read as `name`, dequantized to bf16 (hf_mxfp4.py)."""
+    with pread(2) into a tensor of their own (one shard open, none memory-mapped: a mapped shard keeps every page
+    read resident until it is closed, so --check on a one-file export held the whole model); remembers which were
+    read. A tensor stored in MXFP4 (gpt-oss's experts: `name_blocks` and `name_scales`) is read as `name`,
+    dequantized to bf16 (hf_mxfp4.py)."""
 
     DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -73,8 +74,8 @@ class HFWeights:
             raise HFError(f"the Hugging Face checkpoint has no tensor {name!r}")
         file = self.where[name]
         if self.open[0] != file:
-            self.open = (None, None)  # the previous shard's map goes first
-            self.open = (file, safe_open(str(self.directory / file), framework="pt"))
+            self.open = (None, None)  # the previous shard's handle goes first
+            self.open = (file, safe_open(str(self.directory / file), framework="pt", backend="pread"))
         return self.open[1]
 
     def __call__(self, name: str) -> torch.Tensor:

@@ -6,7 +6,7 @@ save) with one change, the strategy that writes the shards (`StreamingSave`): to
 one thread writes the items in the state dict's order, and each item's data is made only when DCP asks for it
 (`LazyPlanner.resolve_data`): the HF walk (models/gpt.py from_hf: one block's tensors at a time, read from the
 safetensors lazily) is advanced to that parameter, the tensor written, then dropped once its last item (SwiGLU's
-fc1 is two) is written. Resident memory: one block's converted tensors plus the safetensors shard being read.
+fc1 is two) is written. Resident memory: one block's tensors, read (pread, not mapped) and converted.
 
 `plan` first runs the same walk on meta tensors made from the safetensors headers: every name, shape and
 unread tensor is checked before a byte is written (an error is one line, not a failure inside DCP's writer).

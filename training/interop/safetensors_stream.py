@@ -4,8 +4,8 @@ safetensors' own `save_file` takes a whole dict (a shard of --max-shard-gb, 5 GB
 2 GB model held all of it, 1.4x the checkpoint's bytes at peak). Here each tensor's bytes go to the shard's data
 file as they arrive; when the shard is full its header (names, dtypes, shapes, offsets: the format's
 8-byte little-endian length + JSON, padded with spaces to 8 bytes, as safetensors writes it) is written to the
-shard file and the data appended by the kernel (os.copy_file_range: no user-space buffer). The files load with
-safetensors' safe_open and transformers' from_pretrained like save_file's.
+shard file and the data appended by the kernel (os.copy_file_range: no user-space buffer), in save_file's order
+(by dtype, as safetensors ranks them, then by name): the files are byte for byte what save_file writes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import torch
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+# the order of a file's tensors in safetensors' save_file: its Dtype enum descending (widest first), then the name
+ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E4M3", "F8_E5M2", "I8",
+         "U8", "BOOL")
 
 
 class Shard:
@@ -28,7 +31,7 @@ class Shard:
     def __init__(self, path: Path):
         self.path, self.data_path = path, path.with_suffix(".data")
         self.data = open(self.data_path, "wb")  # noqa: SIM115 - closed in close() / discard()
-        self.header: dict = {}
+        self.header: dict = {}  # name -> dtype, shape, [start, end) in the data file (arrival order)
         self.size = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -40,17 +43,24 @@ class Shard:
 
     def close(self) -> None:
         self.data.close()
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        names = sorted(self.header, key=lambda n: (ORDER.index(self.header[n]["dtype"]), n))  # save_file's order
+        header, start = {"__metadata__": {"format": "pt"}}, 0
+        for name in names:
+            first, end = self.header[name]["data_offsets"]
+            header[name] = {**self.header[name], "data_offsets": [start, start + end - first]}
+            start += end - first
+        header = json.dumps(header, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)
         with open(self.path, "wb") as out, open(self.data_path, "rb") as data:
             out.write(struct.pack("<Q", len(header)) + header)
             out.flush()
-            left = self.size
-            while left > 0:
-                copied = os.copy_file_range(data.fileno(), out.fileno(), left)
-                if copied == 0:
-                    raise OSError(f"{self.data_path}: ended {left} bytes early")
-                left -= copied
+            for name in names:  # each tensor's bytes from the data file to its place, by the kernel
+                first, end = self.header[name]["data_offsets"]
+                while first < end:
+                    copied = os.copy_file_range(data.fileno(), out.fileno(), end - first, first)
+                    if copied == 0:
+                        raise OSError(f"{self.data_path}: ended {end - first} bytes early")
+                    first += copied
         self.data_path.unlink()
 
     def discard(self) -> None:
