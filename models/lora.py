@@ -34,7 +34,8 @@ the weight's `allreduce` marking (False for experts): DDP reduces them over the 
 
 Each communication moves r features per token (the base moves h or out). Dropout on the adapter's input takes
 the default RNG stream where the input is the same on every TP rank, the tensor-parallel stream where each rank
-holds its own piece (row inputs, SP column inputs), as Megatron-Core's dropouts do.
+holds its own piece (row inputs, SP column inputs), as Megatron-Core's dropouts do; an expert's column input (the
+same tokens on every expert-TP rank) the data-parallel stream, since under SP the layers run in the TP stream.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class Adaptable:
             tensor_parallel.set_tensor_model_parallel_attributes(self.lora_a, True, 1, 1)
         if kind != "whole" and self.sequence_parallel and not expert:  # summed over TP by finalize_model_grads
             (self.lora_a if kind == "column" else self.lora_b).sequence_parallel = True
+        elif kind == "whole" and getattr(weight, "sequence_parallel", False):  # replicated on its rank's tokens
+            self.lora_a.sequence_parallel = self.lora_b.sequence_parallel = True  # (MLA's down projections, SP)
         for param, method in ((self.lora_a, init_a), (self.lora_b, init_b)):
             param.allreduce = getattr(weight, "allreduce", True)  # an expert's (False): reduced over expert DP
             if record is not None:
@@ -108,6 +111,10 @@ class Adaptable:
             if own_piece:  # an expert's: the expert-parallel stream (distinct over EP and expert TP)
                 stream = [tensor_parallel.get_expert_parallel_rng_tracker_name()] if expert else []
                 with tensor_parallel.get_cuda_rng_tracker().fork(*stream):
+                    x = F.dropout(x, self.lora_dropout)
+            elif expert:  # the same tokens on every expert-TP rank, but under SP the layers run in the TP
+                # stream (models/stack.py forks it): the data-parallel stream, the default one's seed everywhere
+                with tensor_parallel.get_cuda_rng_tracker().fork(tensor_parallel.get_data_parallel_rng_tracker_name()):
                     x = F.dropout(x, self.lora_dropout)
             else:
                 x = F.dropout(x, self.lora_dropout)

@@ -1,7 +1,9 @@
 """LoRA checkpoints (training/checkpoint/torch_dist.py, training/config/checkpoint_match.py): a LoRA fine-tune
 from a base checkpoint saves its adapters and their optimizer state only, naming the base in run.json; a resumed
 run takes the frozen weights from that base and continues bit for bit; a base that is missing, changed or not
-the one the config names is refused in one line naming both."""
+the one the config names is refused in one line naming both. Its run also trains two base weights in full
+(peft.trainable: a glob and an exact name): they change, have Adam moments, are saved with the adapters and come
+back on resume."""
 
 import json
 import shutil
@@ -11,7 +13,10 @@ import pytest
 import torch
 from harness import run_distributed
 
+# peft.trainable: the final norm (a glob) and a linear's own weight beside its adapter (an exact name)
+TRAINED = ("decoder.final_layernorm.weight", "decoder.layers.1.mlp.linear_fc2.weight")
 LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "optim.lr=1e-2", "train.save_interval=2", "checkpoint.keep=0"]
+TRAINABLE = f"peft.trainable=['*final_layernorm*',{TRAINED[1]}]"  # _scenario's runs (export --adapter refuses it)
 
 
 def _tensor_numel(path: Path) -> dict[str, int]:
@@ -21,6 +26,17 @@ def _tensor_numel(path: Path) -> dict[str, int]:
     from megatron.core import dist_checkpointing
 
     return {key: math.prod(t.global_shape) for key, t in dist_checkpointing.load_tensors_metadata(str(path)).items()}
+
+
+def _tensors(path: Path, keys) -> dict[str, torch.Tensor]:
+    """These tensors of a torch_dist checkpoint (torch.distributed.checkpoint's format), in their global shapes."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(path))
+    out = {key: torch.empty(meta[key].global_shape) for key in keys}
+    dcp.load(out, checkpoint_id=str(path), no_dist=True)
+    return out
 
 
 def _scenario(root: str) -> dict:
@@ -34,20 +50,21 @@ def _scenario(root: str) -> dict:
     _train([*QUICK, "train.iters=2", "train.seed=7"], str(root / "other"))
     base = root / "base" / "checkpoints" / "iter_0000002"
     shutil.copytree(base, root / "copy")  # a base that will change / disappear below
-    tune = [*QUICK, *LORA, "train.iters=4", "checkpoint.finetune=true"]
+    tune = [*QUICK, *LORA, TRAINABLE, "train.iters=4", "checkpoint.finetune=true"]
     _train([*tune, f"checkpoint.load={base}"], str(root / "full"))
     first = root / "full" / "checkpoints" / "iter_0000002"
-    _train([*QUICK, *LORA, "train.iters=4", f"checkpoint.load={first}"], str(root / "resumed"))
+    _train([*QUICK, *LORA, TRAINABLE, "train.iters=4", f"checkpoint.load={first}"], str(root / "resumed"))
     _train([*tune, f"checkpoint.load={root / 'copy'}", "train.iters=2"], str(root / "on_copy"))
     out = {"full": losses(root / "full"), "resumed": losses(root / "resumed"),
            "numel": {k: _tensor_numel(p) for k, p in (("base", base), ("adapters", first))},
+           "trained": {k: _tensors(p, TRAINED) for k, p in (("base", base), ("adapters", first))},
            "run": json.loads((first / "run.json").read_text())}
     again = [*tune, f"checkpoint.dir={root / 'full' / 'checkpoints'}"]  # resumes its own iteration 4
     out["other_base"] = train_catching([*again, f"checkpoint.load={root / 'other' / 'checkpoints'}",
                                         "train.iters=6"], str(root / "x1"))
     shutil.rmtree(root / "copy")
     shutil.copytree(root / "other" / "checkpoints" / "iter_0000002", root / "copy")
-    resume_copy = [*QUICK, *LORA, "train.iters=3", f"checkpoint.load={root / 'on_copy' / 'checkpoints'}"]
+    resume_copy = [*QUICK, *LORA, TRAINABLE, "train.iters=3", f"checkpoint.load={root / 'on_copy' / 'checkpoints'}"]
     out["changed_base"] = train_catching(resume_copy, str(root / "x2"))
     shutil.rmtree(root / "copy")
     out["missing_base"] = train_catching(resume_copy, str(root / "x3"))
@@ -62,20 +79,26 @@ def scenario(tmp_path_factory):
 def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_exact(scenario):
     full, resumed = scenario["full"], scenario["resumed"]
     assert sorted(resumed) == [3, 4] and sorted(full) == [1, 2, 3, 4]
-    assert {i: full[i] for i in resumed} == resumed  # exact float equality: the base came back from its checkpoint
+    assert {i: full[i] for i in resumed} == resumed  # exact: the base (and peft.trainable's) came back
     base, adapters = scenario["numel"]["base"], scenario["numel"]["adapters"]
     model = [k for k in adapters if not k.startswith("optimizer.")]
-    assert model and all(k.endswith((".lora_a", ".lora_b")) for k in model), model
+    assert model and all(k.endswith((".lora_a", ".lora_b")) for k in model if k not in TRAINED), model
+    assert set(TRAINED) <= set(model) and all(adapters[k] == base[k] for k in TRAINED)  # whole, as the base's
     assert not [k for k in base if "lora_" in k]
+    for key in TRAINED:  # peft.trainable's weights trained (the base's rest comes from the base, unchanged)
+        assert not torch.equal(scenario["trained"]["adapters"][key], scenario["trained"]["base"][key]), key
     adapter_params = sum(adapters[k] for k in model)
     base_params = sum(n for k, n in base.items() if not k.startswith("optimizer."))
-    # fp32 Adam: each trainable element is saved with its two moments, in either checkpoint
+    # fp32 Adam: each trainable element (adapters and peft.trainable's) is saved with its two moments, in
+    # either checkpoint; peft.trainable's weights are in the optimizer
+    assert all(f"optimizer.state.{m}.{k}" in adapters for m in ("exp_avg", "exp_avg_sq") for k in TRAINED), adapters
     assert sum(adapters.values()) == 3 * adapter_params and sum(base.values()) == 3 * base_params
     record = scenario["run"]["peft_base"]
     assert record["path"].endswith("base/checkpoints/iter_0000002") and len(record["fingerprint"]) == 64
     # the files: 12 bytes (fp32 weight + 2 moments) a trainable element, plus what every checkpoint holds besides
-    # (RNG states, scheduler, DCP's index: ~0.14 MiB here) no larger than the base's
-    fixed = record["base_bytes"] - 12 * base_params
+    # (RNG states, scheduler, DCP's index: ~0.14 MiB here) no larger than the base's, but for DCP's ~0.5 KiB of
+    # index and storage a tensor where it holds more tensors than the base (here 54 against 42)
+    fixed = record["base_bytes"] - 12 * base_params + 1024 * max(0, len(adapters) - len(base))
     assert 0 < record["bytes"] - 12 * adapter_params <= fixed + 4096, (record, fixed)
 
 

@@ -14,7 +14,10 @@ whole, B [out/tp, r]; row base [out, in/tp]: A [r, in/tp], B [out, r] whole; a b
 Activations: each adapted linear keeps h = scale * A x, [tokens, r], for B's gradient (a column adapter's h is
 gathered to the full sequence; a row adapter's h is reduce-scattered along it under SP). A x saves x, which the
 blocks' declarations already count (the linear's input, which a trained base saves too). With peft.dropout > 0,
-the dropped copy of x and its bool mask (1 byte an element) per adapted linear.
+each adapted linear's bool mask (1 byte an element, as CUDA's native dropout keeps it); A keeps the dropped copy
+of x in place of x (which the frozen base does not keep): a copy more only where x is kept anyway, i.e. attention's
+output that SDPA's flash kernel keeps (linear_proj's input), and every part but one of a canonical fused linear
+(each part its own mask and copy of the same x). Measured: tests/test_activation_bytes.py's lora cases.
 
 Not counted: peft.trainable's parameters (counted frozen); the routed experts' adapters' activations (their
 parameters are: E/ep experts a GPU, each's A and B sharded over expert TP as above); the inputs a frozen,
@@ -45,13 +48,18 @@ def linears(shape: ModelShape) -> dict[str, dict[str, tuple[int, int, str]]]:
                     "linear_fc2": (shape.moe_ffn_hidden_size or 0, h, "row")}}  # each routed expert's
 
 
+# canonical LoRA's parts (models/lora_split.py) -> the fused linear whose input they share
+FUSED = {"linear_q": "linear_qkv", "linear_k": "linear_qkv", "linear_v": "linear_qkv", "linear_fc1_gate": "linear_fc1",
+         "linear_fc1_up": "linear_fc1"}
+
+
 def enabled(cfg) -> bool:
     return str(cfg.peft.method) == "lora"
 
 
 def _adapted(cfg, shape: ModelShape, split: Split, numbers: list[int], experts: bool = False):
-    """(kind, tp, in, out) of every adapted linear on one GPU holding layers `numbers`; experts=True: the
-    routed experts' too, one per expert on this GPU (E/ep of them, split over etp)."""
+    """(layer, linear, kind, tp, in, out) of every adapted linear on one GPU holding layers `numbers`;
+    experts=True: the routed experts' too, one per expert on this GPU (E/ep of them, split over etp)."""
     from models.spec import layer_spec
 
     table, targets = linears(shape), set(cfg.peft.targets)
@@ -63,7 +71,7 @@ def _adapted(cfg, shape: ModelShape, split: Split, numbers: list[int], experts: 
             for linear, (inp, out, kind) in table.get(block.__name__, {}).items():
                 if linear in targets and (experts or not moe):
                     for _ in range(shape.num_experts // split.ep if moe else 1):
-                        yield kind, split.etp if moe else split.of(KIND[name]).tp, inp, out
+                        yield n, linear, kind, split.etp if moe else split.of(KIND[name]).tp, inp, out
 
 
 def stage_layers(shape: ModelShape, lay, stage: int) -> list[int]:
@@ -77,7 +85,7 @@ def adapter_params(cfg, shape: ModelShape, lay, stage: int, split: Split) -> int
     if not enabled(cfg):
         return 0
     r, total = cfg.peft.rank, 0
-    for kind, tp, inp, out in _adapted(cfg, shape, split, stage_layers(shape, lay, stage), experts=True):
+    for _, _, kind, tp, inp, out in _adapted(cfg, shape, split, stage_layers(shape, lay, stage), experts=True):
         total += r * inp + r * out // tp if kind == "column" else r * inp // tp + r * out
     return total
 
@@ -87,13 +95,18 @@ def adapter_activations(cfg, shape: ModelShape, lay, act: ActivationContext, sta
     caller scales by the layers in flight as it does the blocks' own)."""
     if not enabled(cfg) or act.recompute == "full":  # full recompute: only the layer's input survives
         return 0.0
-    r, dropout, total = cfg.peft.rank, cfg.peft.dropout > 0, 0.0
+    r, dropout, total, inputs = cfg.peft.rank, cfg.peft.dropout > 0, 0.0, set()
     numbers = stage_layers(shape, lay, stage)
-    for kind, tp, inp, _ in _adapted(cfg, shape, split, numbers):
+    # SDPA's flash kernel keeps its output, linear_proj's input (explicit scores or a recomputed core do not)
+    flash = act.flash and act.recompute == "none" and shape.attn_logit_softcap is None and not shape.attention_sinks
+    for n, linear, kind, tp, inp, _ in _adapted(cfg, shape, split, numbers):
         sp = act.sp and tp > 1
         h_tokens = act.tokens / (tp if sp and kind == "row" else 1)  # column: gathered; row: scattered
         total += act.bytes * h_tokens * r
-        if dropout:  # the dropped input and its mask: the linear's own input, as the base holds it
+        if dropout:  # the mask; the dropped copy in place of x, a copy more where x is kept anyway (docstring)
             x = act.tokens / (tp if sp and kind == "column" else 1) * (inp / tp if kind == "row" else inp)
-            total += (act.bytes + 1) * x
+            fused = (n, FUSED.get(linear, linear))
+            kept = fused in inputs or (linear == "linear_proj" and flash)
+            inputs.add(fused)
+            total += (1 + (act.bytes if kept else 0)) * x
     return total / len(numbers)
