@@ -111,17 +111,11 @@ def run(args) -> None:
     from training.data.tokenizer import build_tokenizer
     from training.engine.losses import global_loss_sum
     from training.engine.step import run_schedule
-    from training.interop.generation import inference_config, load_model
+    from training.interop.generation import load_model
     from training.parallel import dist as D
 
-    cfg, shape, path = inference_config(args.ckpt, args.overrides, for_generation=False)
+    cfg, shape, path = eval_config(args, int(os.environ.get("WORLD_SIZE", "1")))
     run_json = checkpoint.read_run(path)
-    if args.data:
-        cfg.data.paths, cfg.data.weights = [args.data], None
-    if args.text:  # one micro-batch per DP rank a step: the file's windows, in order
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        cfg.train.global_batch_size = cfg.train.micro_batch_size * world // (cfg.parallel.tp * cfg.parallel.pp
-                                                                            * cfg.parallel.cp)
     layout = validate(cfg)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     with D.distributed(**D.layout_of(cfg)) as info:
@@ -157,19 +151,26 @@ def run(args) -> None:
                   f"batches of {result['source']} | {result['layout']} | {path}", flush=True)
 
 
+def eval_config(args, world: int):
+    """(config, shape, checkpoint path) of the evaluation on `world` processes: the checkpoint's run at the
+    overrides' layout, reading --data's dataset, or --text one micro-batch per DP rank a step (its windows in order)."""
+    from training.interop.generation import inference_config
+
+    cfg, shape, path = inference_config(args.ckpt, args.overrides, for_generation=False)
+    if args.data:
+        cfg.data.paths, cfg.data.weights = [args.data], None
+    if args.text:
+        dp = max(world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp), 1)
+        cfg.train.global_batch_size = cfg.train.micro_batch_size * dp
+    return cfg, shape, path
+
+
 def check_layout(args) -> None:
     """Spawned here (not under torchrun): the layout against --nproc before any process starts."""
     quiet_known_noise()  # before Megatron-Core's imports warn
     from training.config.validate import validate
-    from training.interop.generation import inference_config
 
-    cfg = inference_config(args.ckpt, args.overrides, for_generation=False)[0]
-    if args.data:
-        cfg.data.paths, cfg.data.weights = [args.data], None
-    if args.text:  # as run sizes it: one micro-batch per DP rank
-        dp = max(args.nproc // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp), 1)
-        cfg.train.global_batch_size = cfg.train.micro_batch_size * dp
-    validate(cfg, args.nproc)
+    validate(eval_config(args, args.nproc)[0], args.nproc)
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ from training.config.schema import Config
 PRETRAIN_LR = 3e-3  # the embedded tiny model from scratch; a 1B+ model from scratch wants ~3e-4 (set optim.lr)
 FULL_FINETUNE_LR = 5e-6  # Megatron-Bridge's full-SFT recipes (torchtune's llama3_2/1B_full: 2e-5)
 LORA_LR = 1e-4  # Megatron-Bridge's LoRA / DoRA recipes (torchtune's llama3_2/1B_lora: 3e-4)
-MIN_LR_FRACTION = 0.1  # min_lr = lr / 10 when not given: Megatron-LM's and the Chinchilla-style cosine's usual end
+MIN_LR_FRACTION = 0.1  # min_lr = lr / 10 when not given: the default run's 3e-3 -> 3e-4, Chinchilla's cosine end
 
 _DEFAULTS = {"pretraining": PRETRAIN_LR, "full fine-tune": FULL_FINETUNE_LR, "LoRA": LORA_LR}
 

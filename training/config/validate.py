@@ -161,7 +161,8 @@ def data_problems(cfg: Config, layout: Layout) -> list[str]:
 def notes(cfg: Config) -> list[str]:
     """What is allowed but worth a line: printed before the config line (tools/check_config.py, the ranks)."""
     m, out = cfg.model, []
-    if m.max_position_embeddings and m.seq_length > m.max_position_embeddings:  # learned positions: a problem
+    if (m.max_position_embeddings and m.seq_length > m.max_position_embeddings
+            and str(m.position_embedding) == "rope"):  # learned positions: a problem (model_problems)
         scaled = f" (model.rope_scaling.type={m.rope_scaling.type})" if str(m.rope_scaling.type) != "none" else ""
         out.append(f"note: model.seq_length={m.seq_length} > model.max_position_embeddings={m.max_position_embeddings}"
                    f", the context the checkpoint was trained for: RoPE{scaled} runs past it, untrained there (set "

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 
 from models import gpt as gpt_module
 from training.engine.build import TrainState
-from training.interop import hf_deepseek, hf_mxfp4
+from training.interop import hf_deepseek, hf_mxfp4, safetensors_stream
 from training.interop.hf_config import HFError, family
 from training.parallel.wrap import unwrap
 
@@ -37,8 +37,7 @@ class HFWeights:
     read. A tensor stored in MXFP4 (gpt-oss's experts: `name_blocks` and `name_scales`) is read as `name`,
     dequantized to bf16 (hf_mxfp4.py)."""
 
-    DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+    DTYPES = {name: dtype for dtype, name in safetensors_stream.DTYPES.items()}  # safetensors' names -> torch's
 
     def __init__(self, directory: Path):
         from safetensors import safe_open
@@ -112,8 +111,6 @@ class HFWeights:
 def write_safetensors(items, directory: Path, max_shard_bytes: int, progress=None) -> int:
     """Write (name, tensor) items as model.safetensors, or shards of at most max_shard_bytes + the index, one
     tensor in memory at a time (training/interop/safetensors_stream.py). Returns bytes."""
-    from training.interop import safetensors_stream
-
     return safetensors_stream.write(items, directory, max_shard_bytes, progress)
 
 
