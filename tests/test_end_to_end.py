@@ -55,14 +55,17 @@ def test_launch_train_sh_tp2_loss_falls_and_metrics_are_written(tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000030"
 
-    # resumed with train.iters raised: the schedule is rebuilt (cosine from lr 3e-3 at the end of the 20 warmup
-    # iterations to 3e-4 at 40, no longer 30), and the resume says so with the lr at iteration 30 both ways
-    proc = subprocess.run(["launch/train.sh", "parallel.tp=2", "train.iters=40", "train.log_interval=5",
-                           "train.eval_interval=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # resumed with train.iters and optim.lr changed: the schedule is rebuilt (cosine from the new lr 2e-3 at the end
+    # of the 20 warmup iterations to 2e-4 at 40, no longer 30), the optimizer state still loads (Megatron-Core 0.19
+    # pairs param groups by their lr: upstream_fixes 5), and the resume says so with the lr at iteration 30 both ways
+    proc = subprocess.run(["launch/train.sh", "parallel.tp=2", "train.iters=40", "optim.lr=2e-3",
+                           "train.log_interval=5", "train.eval_interval=0"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cosine = lambda i: 3e-4 + 0.5 * (3e-3 - 3e-4) * (1 + math.cos(math.pi * (i - 20) / (40 - 20)))  # noqa: E731
-    note = (f"note: train.iters 30 -> 40 since the checkpoint: the lr schedule is rebuilt from this config; lr at "
-            f"iteration 30: 0.0003 before, {cosine(30):.3g} now")
+    cosine = lambda i: 2e-4 + 0.5 * (2e-3 - 2e-4) * (1 + math.cos(math.pi * (i - 20) / (40 - 20)))  # noqa: E731
+    note = (f"note: train.iters 30 -> 40, optim.lr 0.003 -> 0.002, optim.min_lr 0.0003 -> 0.0002 since the "
+            f"checkpoint: the lr schedule is rebuilt from this config; lr at iteration 30: 0.0003 before, "
+            f"{cosine(30):.3g} now")
     assert note in proc.stdout, proc.stdout[-3000:]
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][len(lines):]
     assert [(r["iteration"], round(r["lr"], 9)) for r in resumed] == [(i, round(cosine(i - 1), 9)) for i in (35, 40)]  # step i runs at lr(i - 1)

@@ -32,6 +32,7 @@ from training.checkpoint.common import CheckpointError, Start, TrainState, layou
 from training.config.schema import Config
 from training.parallel import fsdp
 from training.parallel.wrap import unwrap
+from training.shims import upstream_fixes
 
 FORMAT = "fsdp_dtensor"
 METADATA = {"sharded_backend": FORMAT, "writer": "torch.distributed.checkpoint"}
@@ -90,6 +91,7 @@ def _read(state: TrainState, path: Path, rng_template: dict | None, extra: dict)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
     (chunk,) = state.model
     chunk.load_state_dict(sd["model"])  # the main weights were loaded in place; this installs the model copy
+    upstream_fixes.saved_groups_at_current_lr(state.optimizer, sd["optimizer"])
     state.optimizer.load_state_dict(sd["optimizer"])
     state.scheduler.load_state_dict(sd["scheduler"])
     out = {key: sd[key] for key in extra}

@@ -159,6 +159,7 @@ def load(cfg: Config, state: TrainState, path: Path, run: dict, weights_only: bo
         announce(f"fine-tuning from the weights of {path} (fresh optimizer, schedule and data order)"
                  if state.optimizer is not None else f"loaded the weights of {path}")
         return Start()
+    upstream_fixes.saved_groups_at_current_lr(state.optimizer, loaded["optimizer"])
     state.optimizer.load_state_dict(loaded["optimizer"])
     upstream_fixes.after_optimizer_load(state.optimizer)
     state.scheduler.load_state_dict(loaded["scheduler"])

@@ -41,7 +41,9 @@ def peak_lr(cfg: Config) -> float:
 
 def min_lr(cfg: Config) -> float:
     """optim.min_lr, else a tenth of the peak."""
-    return cfg.optim.min_lr if cfg.optim.min_lr is not None else peak_lr(cfg) * MIN_LR_FRACTION
+    if cfg.optim.min_lr is not None:
+        return cfg.optim.min_lr
+    return float(f"{peak_lr(cfg) * MIN_LR_FRACTION:.12g}")  # 3e-3 -> 3e-4, not 3.0000000000000003e-4
 
 
 def describe(cfg: Config) -> str:

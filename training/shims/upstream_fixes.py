@@ -47,6 +47,14 @@ after the upstream report and covered by a test.
    get_write_results_queue is replaced before a save; nvidia-resiliency-ext's copy of it (checkpoint.async_save
    in NGC containers) likewise when importable.
    Test: tests/test_faults.py (the rank that saved is killed: its helper processes are gone within a minute).
+
+5. A resume with another optim.lr / optim.min_lr fails (no upstream report found): 0.19 pairs the saved optimizer's
+   param groups with the current ones by an identifier that includes `max_lr` and `min_lr`
+   (optimizer.py `param_group_identifier_keys`), so any changed learning rate is `ValueError: Could not find
+   parameter group with key (...)` from every rank, although the scheduler is built to take this config's values
+   (`override_opt_param_scheduler=True`). Fix: the loaded groups take the current groups' max_lr / min_lr before
+   the load (the template never sets a decoupled lr: every group has the same two).
+   Test: tests/test_end_to_end.py (a tp2 run resumed with optim.lr changed trains at the new schedule's lr).
 """
 
 from __future__ import annotations
@@ -134,6 +142,27 @@ def after_optimizer_load(optimizer) -> None:
         for state in dist_opt.optimizer.state.values():
             if "step" in state:
                 state["step"] = state["step"].clone()
+
+
+def saved_groups_at_current_lr(optimizer, saved: dict) -> None:
+    """Fix 5: every param group in the loaded optimizer state `saved` (any nesting: chained, distributed) takes
+    the current optimizer's max_lr / min_lr, so a changed learning rate still pairs the groups."""
+    current = {(g["max_lr"], g["min_lr"]) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+               for g in opt.optimizer.param_groups}
+    assert len(current) == 1, f"param groups with different learning rates: {sorted(current)}"
+    (max_lr, min_lr), = current
+
+    def visit(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("max_lr"), float) and "min_lr" in node:  # a param group
+                node["max_lr"], node["min_lr"] = max_lr, min_lr
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                visit(value)
+
+    visit(saved)
 
 
 def _die_with(parent: int) -> None:
