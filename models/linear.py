@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
-from models.lora import Adaptable
+from models.lora import Adaptable, adapters_on
 from models.lora_split import sharded_axes, split_delta
 from models.tp_blocks import replicated
 
@@ -77,6 +77,8 @@ class ReplicatedLinear(Adaptable, MegatronModule):
 def _adapted(layer, input_, result):
     """The base layer's (output, bias) plus the LoRA adapter's share, if the layer carries one (fused, or one per
     part of a fused linear: models/lora_split.py)."""
+    if not adapters_on():  # models.lora.adapters_off(): the base alone
+        return result
     if layer.has_lora:
         return result[0] + layer.lora_delta(input_), result[1]
     if getattr(layer, "lora_split", None) is not None:

@@ -41,6 +41,7 @@ same tokens on every expert-TP rank) the data-parallel stream, since under SP th
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,21 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 LORA_PARAMS = ("lora_a", "lora_b")  # the adapter's parameter names on an adapted linear
+_OFF = [False]  # adapters_off(): every adapted linear computes its base alone
+
+
+@contextmanager
+def adapters_off():
+    """Within: every adapter is left out (the base model, e.g. a preference run's reference); not thread-local."""
+    _OFF[0] = True
+    try:
+        yield
+    finally:
+        _OFF[0] = False
+
+
+def adapters_on() -> bool:
+    return not _OFF[0]
 
 
 def init_a(tensor: torch.Tensor) -> None:

@@ -124,7 +124,20 @@ INVALID = {
                     "data.format=sft with parallel.cp=2: context parallelism does not take packed sequences"),
     "sft-with-weights": (["data.format=sft", "data.paths=[a,b]", "data.weights=[1,2]"], 1,
                          "data.format=sft reads data.paths one after another: remove data.weights=[1.0, 2.0]"),
-    "format-choice": (["data.format=chat"], 1, "data.format: Invalid value 'chat', expected one of [text, sft]"),
+    "format-choice": (["data.format=chat"], 1, "data.format: Invalid value 'chat', expected one of [text, sft, pref"),
+    "preference-without-objective": (["data.format=preference", "data.paths=[a]"], 1,
+                                     "data.format=preference trains with a preference objective: add post=dpo"),
+    "objective-without-pairs": (["post=dpo", "post.reference_load=a"], 1,
+                                "post.objective=sigmoid trains on preference pairs: set data.format=preference"),
+    "simpo-with-reference": (["post=simpo", "post.reference=live", "data.format=preference", "data.paths=[a]"], 1,
+                             "post.objective=simpo is reference-free: set post.reference=none (it is live)"),
+    "lora-base-without-lora": (["post=dpo", "post.reference=lora_base", "data.format=preference",
+                                "data.paths=[a]"], 1, "post.reference=lora_base is the policy with its adapters off"),
+    "live-without-a-model": (["post=dpo", "data.format=preference", "data.paths=[a]"], 1,
+                             "post.reference=live scores with a frozen copy of the starting model"),
+    "preference-cp": (["post=dpo", "post.reference_load=a", "data.format=preference", "data.paths=[a]",
+                       "parallel.cp=2"], 2, "data.format=preference with parallel.cp=2: context parallelism does "
+                                            "not take packed sequences"),
 }
 
 

@@ -96,8 +96,8 @@ def test_the_launcher_refuses_what_the_files_tell_before_torchrun(tmp_path, mism
                  for n in (8, 12, 20)]  # (token ids, loss mask): a 2-token prompt, then the answer
         write_sft(chats, pairs, ByteChat())
         line, took = refused_before_torchrun(run_dir, f"data.paths=[{chats}]")
-        assert line == (f"error: data.paths: {chats} holds conversations (tools/preprocess_data.py --format sft): set "
-                        f"data.format=sft")
+        assert line == (f"error: data.paths: {chats} holds conversations (tools/preprocess_data.py --format sft), but "
+                        f"data.format=text: set data.format=sft")
     assert took < 20, took  # ~3 s on an idle 2-core machine (the bound: 5 s); generous for a loaded one
     if mismatch != "model-auto":
         assert not run_dir.exists()  # the launcher makes it only after the check

@@ -55,7 +55,7 @@ def test_the_wrong_format_is_refused_in_one_line(tmp_path):
     corpus(tmp_path / "docs")
     conversations(tmp_path / "chats", count=20)
     (errors,) = run_distributed(_refusals, 1, (str(tmp_path),), timeout=600)
-    assert errors[0] == (f"error: data.paths: {tmp_path}/docs holds plain documents, not conversations: preprocess "
-                         f"them with tools/preprocess_data.py --format sft, or set data.format=text")
+    assert errors[0] == (f"error: data.paths: {tmp_path}/docs holds plain documents, but data.format=sft: set "
+                         f"data.format=text, or preprocess the records again with --format sft")
     assert errors[1] == (f"error: data.paths: {tmp_path}/chats holds conversations (tools/preprocess_data.py "
-                         f"--format sft): set data.format=sft")
+                         f"--format sft), but data.format=text: set data.format=sft")

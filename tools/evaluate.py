@@ -121,7 +121,7 @@ def run(args) -> None:
     with D.distributed(**D.layout_of(cfg)) as info:
         state = load_model(cfg, shape, info.device)
         chunks, micro, g = len(state.model), cfg.train.micro_batch_size, cfg.train.global_batch_size
-        packed = str(cfg.data.format) == "sft" and not args.text  # conversations: every stage reads its batches
+        packed = str(cfg.data.format) in ("sft", "preference") and not args.text  # conversations: every stage reads its batches
         if args.text:
             samples = text_windows(args.text, tokenizer, cfg.model.seq_length)
             blank = {k: torch.zeros_like(v) for k, v in samples[0].items()}

@@ -10,6 +10,8 @@
         --tokenizer tok/
     .venv/bin/python tools/preprocess_data.py --format sft --input chats.jsonl --output-prefix data/chats \
         --tokenizer hf_model/
+    .venv/bin/python tools/preprocess_data.py --format preference --input pairs.jsonl --output-prefix data/pairs \
+        --tokenizer hf_model/
 
 Inputs (files in the order given, each glob's matches sorted; training/data/sources.py reads them): plain text
 (a document per line), .jsonl/.json (a JSON object per line, the document in --text-key), either compressed as
@@ -28,6 +30,12 @@ the input is empty; these two take an optional "system"), rendered with the chat
 Face tokenizer directory).
 Writes PREFIX.bin/.idx (each conversation's token ids, nothing appended), PREFIX.mask.bin/.idx (1 on the assistant's
 tokens: the loss targets) and PREFIX.json; empty records are skipped and counted (training/data/chat.py).
+
+--format preference: pairs for preference tuning (data.format=preference, post=dpo; docs/preference.md):
+{"prompt": str, "chosen": str, "rejected": str[, "system": str]}, TRL's conversational {"prompt": [messages],
+"chosen": [messages], "rejected": [messages]}, or UltraFeedback-binarized's whole conversations {"chosen":
+[messages], "rejected": [messages]}; each pair is two conversations (chosen, then rejected) with the mask on the
+last answer (training/post/records.py). A malformed record is one line naming file:line.
 
 Progress over all inputs (file i/N, documents/s, MB/s of input, ETA) goes to stderr about once a second, a
 summary to stdout. Problems are one line (`error: ...`, naming the file, and the line where it has lines; an
@@ -57,7 +65,7 @@ _tokenizer = None  # one per worker process, built by init_worker (tokenizers ne
 
 def load_tokenizer(spec: str, data_format: str = "text"):
     """--tokenizer for --format: build_tokenizer's, or a chat template's (training/data/chat.py) for sft."""
-    return chat.ChatTokenizer(spec) if data_format == "sft" else build_tokenizer(spec)
+    return chat.ChatTokenizer(spec) if data_format in ("sft", "preference") else build_tokenizer(spec)
 
 
 def init_worker(spec: str, data_format: str = "text") -> None:
@@ -81,6 +89,17 @@ def encode_conversations(chunk: sources.Chunk) -> tuple[list, int, int, int]:
     for number, record in decode.records(chunk):
         messages = chat.conversation(record, chunk.path, number)
         found.append(None if messages is None else chat.encode(_tokenizer, messages, f"{chunk.path}:{number}"))
+    return found, chunk.index, chunk.disk_bytes, chunk.text_bytes
+
+
+def encode_preferences(chunk: sources.Chunk) -> tuple[list, int, int, int]:
+    """Worker (--format preference): a chunk -> its pairs as (ids, mask) conversations, chosen then rejected
+    (training/post/records.py), its source index, input bytes on disk, bytes of text."""
+    from training.post import records
+
+    found = []
+    for number, record in decode.records(chunk):
+        found += records.encode_pair(_tokenizer, record, chunk.path, number)
     return found, chunk.index, chunk.disk_bytes, chunk.text_bytes
 
 
@@ -152,7 +171,7 @@ def preprocess(inputs: list[sources.Source], prefix: str, tokenizer, spec: str, 
     reads (one ~1 MB chunk at a time, a Parquet row group at most) and writes; the workers decode and encode.
     data_format sft: whole records (text_key None), conversations written with their loss masks."""
     global _tokenizer
-    sft = data_format == "sft"
+    sft = data_format in ("sft", "preference")  # records, written with their loss masks
     tasks = sources.chunks(inputs, None if sft else text_key)
     with contextlib.ExitStack() as stack:
         # The pool starts before training.data.datasets imports torch and Megatron-Core (~10 s on 2 cores): forking
@@ -165,10 +184,10 @@ def preprocess(inputs: list[sources.Source], prefix: str, tokenizer, spec: str, 
         progress = Progress(inputs, unit="conversations" if sft else "documents")  # after the imports: the
         if pool is None:                                                           # rates measure the work
             _tokenizer = tokenizer
-        work = encode_conversations if sft else encode_chunk
+        work = {"sft": encode_conversations, "preference": encode_preferences}.get(data_format, encode_chunk)
         results = pool.imap(work, tasks) if pool else map(work, tasks)
         if sft:
-            sft_write.write_sft(prefix, conversations(results, progress, inputs), tokenizer)
+            sft_write.write_sft(prefix, conversations(results, progress, inputs), tokenizer, data_format)
         else:
             write_indexed(prefix, documents(results, progress, inputs), tokenizer)
     return progress
@@ -193,8 +212,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json")
     parser.add_argument("--tokenizer", required=True, help="byte, or a tokenizer.json (or its directory); "
                         "--format sft: a Hugging Face tokenizer directory with a chat template")
-    parser.add_argument("--format", dest="data_format", choices=("text", "sft"), default="text",
-                        help="text: documents; sft: conversations with the loss on the answers (data.format=sft)")
+    parser.add_argument("--format", dest="data_format", choices=("text", "sft", "preference"), default="text",
+                        help="text: documents; sft: conversations with the loss on the answers (data.format=sft); "
+                             "preference: {prompt, chosen, rejected} pairs (data.format=preference, post=dpo)")
     parser.add_argument("--text-key", "--json-key", dest="text_key", default=None,
                         help="the document: a .jsonl/.json field, a Parquet/Arrow column (default text; --json-key: "
                              "the old name); not with --format sft")
@@ -209,7 +229,7 @@ def run(argv: list[str]) -> int:
     if Path(args.output_prefix).suffix in (".bin", ".idx", ".json"):
         raise ConfigError(f"--output-prefix {args.output_prefix}: give the prefix, without "
                           f"{Path(args.output_prefix).suffix}")
-    sft = args.data_format == "sft"
+    sft = args.data_format in ("sft", "preference")
     if sft and args.text_key is not None:
         raise ConfigError(f"--text-key {args.text_key} names the document of --format text; --format sft reads each "
                           f"record's \"messages\" (or \"conversations\", or \"prompt\" and \"completion\")")
@@ -221,6 +241,13 @@ def run(argv: list[str]) -> int:
                               args.data_format)
     except OSError as err:  # an unreadable input, an unwritable output folder
         raise TemplateError(f"{err.filename}: {err.strerror}" if err.filename else str(err)) from err
+    if args.data_format == "preference":
+        meta = json.loads(Path(f"{args.output_prefix}.json").read_text())
+        print(f"wrote {args.output_prefix}.bin/.idx/.json and {chat.mask_prefix(args.output_prefix)}.bin/.idx "
+              f"({meta['documents'] // 2} pairs, {meta['tokens']} tokens, {meta['answer_tokens']} answer tokens; "
+              f"tokenizer {tokenizer.name}, chat template {meta['chat_template']}) from {len(inputs)} file(s): "
+              f"{progress.line()}")
+        return 0
     if sft:
         meta = json.loads(Path(f"{args.output_prefix}.json").read_text())
         print(f"wrote {args.output_prefix}.bin/.idx/.json and {chat.mask_prefix(args.output_prefix)}.bin/.idx "

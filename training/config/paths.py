@@ -59,18 +59,20 @@ def prefix_meta(prefix: str) -> dict | None:
 
 
 def format_problem(prefix: str, data_format: str) -> str | None:
-    """The format PREFIX.json records (`sft`: conversations, written by --format sft; else documents) against
-    data.format (training/data/datasets.py check_prefix refuses the same on every rank)."""
+    """The format PREFIX.json records (`sft`: conversations, written by --format sft; `preference`: pairs, by
+    --format preference; else documents) against data.format (training/data/datasets.py check_prefix refuses the
+    same on every rank)."""
     try:
         meta = prefix_meta(prefix)
     except ConfigError as err:
         return str(err)
-    if meta is None or meta.get("format", "text") == data_format:
+    if meta is None or (written := meta.get("format", "text")) == data_format:
         return None
-    if data_format == "text":
-        return f"data.paths: {prefix} holds conversations (tools/preprocess_data.py --format sft): set data.format=sft"
-    return (f"data.paths: {prefix} holds plain documents, not conversations: preprocess them with "
-            f"tools/preprocess_data.py --format sft, or set data.format=text")
+    holds = {"text": "plain documents", "sft": "conversations (tools/preprocess_data.py --format sft)",
+             "preference": "preference pairs (tools/preprocess_data.py --format preference)"}
+    return (f"data.paths: {prefix} holds {holds.get(written, written)}, but data.format={data_format}: set "
+            f"data.format={written}" + (", or preprocess the records again with --format " + data_format
+                                         if data_format != "text" else ""))
 
 
 def tokenizer_problem(spec: str) -> str | None:
@@ -114,8 +116,9 @@ def path_problems(cfg: Config) -> list[str]:
     when data.mock is off)."""
     prefixes, data_format = ([] if cfg.data.mock else [str(p) for p in cfg.data.paths]), str(cfg.data.format)
     found = [prefix_problem(p) or format_problem(p, data_format) for p in prefixes]
-    if data_format == "sft":  # conversations: each with its loss mask (training/data/chat.py)
-        found += [f"{problem} (the conversations' loss mask: tools/preprocess_data.py --format sft writes it)"
+    if data_format in ("sft", "preference"):  # conversations: each with its loss mask (training/data/chat.py)
+        found += [f"{problem} (the conversations' loss mask: tools/preprocess_data.py --format {data_format} "
+                  f"writes it)"
                   for p, bad in zip(prefixes, list(found))
                   if not bad and (problem := prefix_problem(f"{p}{MASK_SUFFIX}"))]
     found += [tokenizer_problem(cfg.data.tokenizer), load_problem(cfg.checkpoint.load)]

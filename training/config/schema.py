@@ -14,6 +14,7 @@ from typing import Any, Optional
 from training.config.schema_model import (  # noqa: F401 (re-exported: model.*)
     Activation, Dispatcher, ModelConfig, MoEConfig, Normalization, NormPlacement, PositionEmbedding, QkNormSpan,
     Recompute, ScoreFunction)
+from training.config.schema_post import Objective, PostConfig, Reference  # noqa: F401 (post.*)
 from training.config.schema_rope import RopeScalingConfig, RopeScalingType  # noqa: F401 (model.rope_scaling)
 
 
@@ -26,6 +27,10 @@ class DecayStyle(StrEnum):
 class DataFormat(StrEnum):
     text = "text"  # documents: every token a target, packed end to end across documents (pretraining)
     sft = "sft"  # conversations (tools/preprocess_data.py --format sft): answers only, packed apart
+    preference = "preference"  # pairs (--format preference): a prompt, a chosen and a rejected answer (post=dpo)
+
+
+PACKED = ("sft", "preference")  # data formats packed per sequence (segments apart): every pipeline stage reads them
 
 
 class Overlong(StrEnum):
@@ -185,6 +190,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    post: PostConfig = field(default_factory=PostConfig)
 
 
 def register() -> None:
@@ -212,4 +218,4 @@ __all__ = ["Activation", "DecayStyle", "Dispatcher", "Fsdp", "MoEConfig", "NanPo
            "Normalization", "NormPlacement", "PositionEmbedding", "Precision", "QkNormSpan",
            "Recompute", "TpBlock",
            "Config", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
-           "CheckpointConfig", "WandbConfig", "WandbMode", "register", "to_config"]
+           "CheckpointConfig", "Objective", "PostConfig", "Reference", "WandbConfig", "WandbMode", "register", "to_config"]

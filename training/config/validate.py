@@ -142,19 +142,52 @@ def run_problems(cfg: Config) -> list[str]:
 
 
 def data_problems(cfg: Config, layout: Layout) -> list[str]:
-    """data.format=sft's rules (conversations packed per sequence: training/data/sft.py)."""
-    d = cfg.data
-    if str(d.format) != "sft":
-        return []
-    out = []
+    """data.format=sft's and preference's rules (packed per sequence: training/data/sft.py, training/post/pairs.py),
+    and post.objective's."""
+    d, fmt = cfg.data, str(cfg.data.format)
+    out = post_problems(cfg)
+    if fmt not in ("sft", "preference"):
+        return out
+    what = "conversations" if fmt == "sft" else "preference pairs"
     if not d.paths or d.mock:
-        out.append("data.format=sft needs data.paths: conversations written by tools/preprocess_data.py --format sft "
+        out.append(f"data.format={fmt} needs data.paths: {what} written by tools/preprocess_data.py --format {fmt} "
                    "(the embedded corpus and data.mock are plain text)")
     if d.weights:
-        out.append(f"data.format=sft reads data.paths one after another: remove data.weights={list(d.weights)}")
+        out.append(f"data.format={fmt} reads data.paths one after another: remove data.weights={list(d.weights)}")
     if layout.cp > 1:
-        out.append(f"data.format=sft with parallel.cp={layout.cp}: context parallelism does not take packed "
-                   f"sequences here (each rank's zigzag share would cut through conversations): use parallel.cp=1")
+        out.append(f"data.format={fmt} with parallel.cp={layout.cp}: context parallelism does not take packed "
+                   f"sequences here (each rank's zigzag share would cut through {what}): use parallel.cp=1")
+    return out
+
+
+def post_problems(cfg: Config) -> list[str]:
+    """post.*: a preference objective trains on pairs, with a reference where it needs one (training/post/)."""
+    p, fmt, objective = cfg.post, str(cfg.data.format), str(cfg.post.objective)
+    if objective == "none":
+        return ["data.format=preference trains with a preference objective: add post=dpo (or post=simpo)"] \
+            if fmt == "preference" else []
+    out = [] if fmt == "preference" else [f"post.objective={objective} trains on preference pairs: set "
+                                          f"data.format=preference (tools/preprocess_data.py --format preference)"]
+    reference, free = str(p.reference), objective == "simpo"
+    if free and reference != "none":
+        out.append(f"post.objective=simpo is reference-free: set post.reference=none (it is {reference})")
+    if not free and reference == "none":
+        out.append(f"post.objective={objective} compares the policy with a reference: set post.reference=live "
+                   f"(or lora_base with peft=lora)")
+    if reference == "lora_base" and str(cfg.peft.method) != "lora":
+        out.append("post.reference=lora_base is the policy with its adapters off: it needs peft=lora")
+    if reference == "live" and p.reference_load is None and cfg.checkpoint.load in (None, "auto"):
+        out.append("post.reference=live scores with a frozen copy of the starting model: set post.reference_load="
+                   "<checkpoint> (or checkpoint.load=<the SFT checkpoint> with checkpoint.finetune=true)")
+    if p.beta <= 0:
+        out.append(f"post.beta={p.beta} must be > 0")
+    if not 0 <= p.label_smoothing < 0.5:
+        out.append(f"post.label_smoothing={p.label_smoothing} must be in [0, 0.5)")
+    if p.label_smoothing and objective not in ("robust", "simpo"):
+        out.append(f"post.label_smoothing={p.label_smoothing} is read by post.objective=robust and simpo, not "
+                   f"{objective}")
+    if p.sft_weight < 0:
+        out.append(f"post.sft_weight={p.sft_weight} must be >= 0")
     return out
 
 

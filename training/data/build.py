@@ -8,6 +8,9 @@ from training.config.schema import Config
 
 def build_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_data: bool):
     """(train, valid) of at least num_samples' sizes; every rank calls it, ranks with needs_data=False get None."""
+    if str(cfg.data.format) == "preference":  # post-training's (training/post/): imported only for its runs
+        from training.post import pairs
+        return pairs.build(cfg, tokenizer, num_samples, needs_data)
     if str(cfg.data.format) == "sft":
         from training.data import sft
         return sft.build(cfg, tokenizer, num_samples, needs_data)

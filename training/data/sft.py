@@ -135,12 +135,12 @@ class PackedConversations(torch.utils.data.Dataset):
                 f"of positions filled")
 
 
-def check(prefix: str, tokenizer, vocab_size: int) -> None:
+def check(prefix: str, tokenizer, vocab_size: int, data_format: str = "sft") -> None:
     """A conversations dataset: the token files as any dataset's (training/data/datasets.check_prefix), written by
-    --format sft, and its mask files there with the same sequence lengths."""
+    --format sft (or preference), and its mask files there with the same sequence lengths."""
     from training.data.datasets import _read_index, check_prefix
 
-    check_prefix(prefix, tokenizer, vocab_size, data_format="sft")
+    check_prefix(prefix, tokenizer, vocab_size, data_format=data_format)
     masks = f"{prefix}{MASK_SUFFIX}"
     if problem := prefix_problem(masks):
         raise ConfigError(f"{problem} (the loss mask of the conversations at {prefix})")
@@ -148,7 +148,7 @@ def check(prefix: str, tokenizer, vocab_size: int) -> None:
     if not np.array_equal(tokens.sequence_lengths, mask.sequence_lengths):
         raise ConfigError(f"data.paths: {masks}.idx does not match {prefix}.idx ({mask.sequence_count} vs "
                           f"{tokens.sequence_count} conversations, or other lengths): re-run tools/preprocess_data.py "
-                          f"--format sft")
+                          f"--format {data_format}")
 
 
 def split_ranges(count: int, split_matrix) -> list[range]:

@@ -21,11 +21,12 @@ from training.errors import ConfigError
 SFT_SUFFIXES = (".mask.bin", ".mask.idx", ".bin", ".idx", ".json")  # renamed in this order: PREFIX.json last
 
 
-def write_sft(prefix: str | Path, pairs, tokenizer) -> dict:
+def write_sft(prefix: str | Path, pairs, tokenizer, data_format: str = "sft") -> dict:
     """Conversations as PREFIX.bin/.idx (token ids, one sequence each, nothing appended), PREFIX.mask.bin/.idx
     (uint8, the same lengths) and PREFIX.json; `pairs` yields (ids, mask) per conversation, or None for a skipped
     record (counted as "dropped"), consumed once in order. All files appear together or not at all
-    (training.data.datasets.written_atomically). Returns PREFIX.json's content."""
+    (training.data.datasets.written_atomically). data_format "preference": the conversations are pairs, a
+    chosen then a rejected one (training/post/pairs.py). Returns PREFIX.json's content."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     from training.data.datasets import written_atomically
@@ -52,7 +53,9 @@ def write_sft(prefix: str | Path, pairs, tokenizer) -> dict:
             raise ConfigError(f"no conversations to write for {prefix} (the input is empty, or every record is)")
         builders[0].finalize(f"{tmp}.idx")
         builders[1].finalize(f"{mask_prefix(tmp)}.idx")
-        meta = {"format": "sft", "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+        if data_format == "preference" and count % 2:
+            raise ValueError(f"{count} conversations: preference pairs come two by two")
+        meta = {"format": data_format, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
                 "eod": tokenizer.eod, "documents": count, "tokens": tokens, "answer_tokens": answers,
                 "chat_template": tokenizer.template_hash, "dropped": dropped}
         Path(f"{tmp}.json").write_text(json.dumps(meta, indent=1) + "\n")

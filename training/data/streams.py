@@ -15,7 +15,8 @@ from collections import deque
 import torch
 
 # a sample's fields a micro-batch carries: [s] each (GPTDataset also gives attention_mask / position_ids, unused)
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids",
+              "answer_ids", "pair_index", "ref_logps")  # the last three: preference pairs (training/post/pairs.py)
 
 
 class MicroBatches:

@@ -20,7 +20,7 @@ from models.spec import extra_stats
 from training import checkpoint
 from training.config import optim_defaults
 from training.config.optim_defaults import min_lr, peak_lr
-from training.config.schema import Config, to_config
+from training.config.schema import PACKED, Config, to_config
 from training.config.validate import notes
 from training.data.build import build_datasets
 from training.data.datasets import resolve_vocab_size
@@ -50,6 +50,22 @@ class Run:
     train_data: list  # this rank's micro-batch stream per model chunk
     valid_data: object  # () -> the same validation streams at every evaluation
     train_samples: int  # the train dataset's size (saved with checkpoints)
+    objective: object = None  # .train_step and .evaluate: the token loss (TokenLoss), or post-training's
+
+
+class TokenLoss:
+    """The next-token loss of pretraining and SFT: training/engine/step.py as it is."""
+
+    train_step, evaluate = staticmethod(train_step), staticmethod(evaluate)
+
+
+def objective_of(cfg: Config, state: TrainState):
+    """TokenLoss, or post.objective's step (training/post/step.py: imported only for a post-training run)."""
+    if str(cfg.post.objective) == "none":
+        return TokenLoss()
+    from training.post.step import PreferenceObjective
+
+    return PreferenceObjective(cfg, state)
 
 
 def train_dataset_size(cfg: Config, start: checkpoint.Start) -> int:
@@ -99,14 +115,15 @@ def setup(cfg: Config, layout: Layout, device, run_dir: Path) -> Run:
         D.print0(note)
     train_samples = train_dataset_size(cfg, start)
     evals = t.iters // t.eval_interval + 1 if t.eval_interval else 0
-    chunks, packed = len(state.model), str(cfg.data.format) == "sft"  # packed: every stage reads its batches
+    chunks, packed = len(state.model), str(cfg.data.format) in PACKED  # packed: every stage reads its batches
     train_ds, valid_ds = build_datasets(cfg, tokenizer, (train_samples, evals * t.eval_iters * t.global_batch_size),
                                         reads_data(chunks, packed)) if start.iteration < t.iters else (None, None)
     D.print0(f"config: {layout.describe()}; {t.global_batch_size * shape.seq_length} tokens/step; vocab "
              f"{shape.vocab_size} (padded {shape.padded_vocab(layout.tp)}); {device.type}; start at iteration "
              f"{start.iteration} ({start.consumed_samples} samples consumed); {optim_defaults.describe(cfg)}")
     return Run(state, start, micro_batch_streams(chunks, train_ds, start.consumed_samples, t.micro_batch_size, packed),
-               lambda: micro_batch_streams(chunks, valid_ds, 0, t.micro_batch_size, packed), train_samples)
+               lambda: micro_batch_streams(chunks, valid_ds, 0, t.micro_batch_size, packed), train_samples,
+               objective_of(cfg, state))
 
 
 def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
@@ -134,7 +151,7 @@ def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
             while iteration < t.iters:
                 profiler.step(iteration)
                 with watchdog.phase("step", iteration + 1):
-                    result = train_step(state, r.train_data, layout, cfg, info.device)
+                    result = r.objective.train_step(state, r.train_data, layout, cfg, info.device)
                 iteration, consumed, skipped = iteration + 1, consumed + t.global_batch_size, skipped + result.skipped
                 throughput.stepped(result.loss_tokens)
                 if iteration % t.log_interval == 0 or iteration == t.iters:
@@ -143,8 +160,8 @@ def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:
                     last = record.as_dict()
                 if t.eval_interval and iteration % t.eval_interval == 0:
                     with watchdog.phase("evaluation", iteration):
-                        logger.log(dict(iteration=iteration, val_loss=evaluate(state, r.valid_data, layout, cfg,
-                                                                               info.device)))
+                        logger.log(dict(iteration=iteration, **r.objective.evaluate(state, r.valid_data, layout, cfg,
+                                                                                    info.device)))
                     throughput.pause()
                 if save_clock.due(iteration):
                     with watchdog.phase("save", iteration):

@@ -31,13 +31,13 @@ def global_loss(reports: list[dict], device: torch.device) -> torch.Tensor:
     return total[0] / total[1].clamp(min=1)
 
 
-def global_loss_sum(reports: list[dict], device: torch.device) -> torch.Tensor:
+def global_loss_sum(reports: list[dict], device: torch.device, key: str = "lm loss", size: int = 2) -> torch.Tensor:
     """[loss sum, tokens] (float64) of the whole global batch, identical on every rank: summed over
     micro-batches, then over DP x CP ranks (CP ranks hold other tokens of the same sequences), then sent
-    from the last pipeline stage to the others."""
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    from the last pipeline stage to the others. key, size: another report of the loss function's, its length."""
+    total = torch.zeros(size, dtype=torch.float64, device=device)
     for report in reports:
-        total += report["lm loss"].to(device=device, dtype=torch.float64)
+        total += report[key].to(device=device, dtype=torch.float64)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):

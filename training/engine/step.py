@@ -99,7 +99,9 @@ def nonfinite_grad_ranks(state: TrainState, device: torch.device) -> list[int]:
 
 
 def train_step(state: TrainState, streams, layout: Layout, cfg: Config, device: torch.device,
-               step=forward_step) -> StepResult:
+               step=forward_step, summary=None) -> StepResult:
+    """step: the forward step (a post-training objective's: training/post/step.py); summary(reports, device): its
+    metrics from the last stage's reports, reduced, logged with the extra losses."""
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
@@ -107,6 +109,8 @@ def train_step(state: TrainState, streams, layout: Layout, cfg: Config, device: 
     total = global_loss_sum(reports, device)  # [loss sum, loss tokens] of the global batch
     loss, tokens = (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
     extra = extra_losses(extra_stats(state.shape), device)
+    if summary is not None:
+        extra |= summary(reports, device)
     problem = f"loss is {loss}" if not math.isfinite(loss) else None
     if problem is None and (ranks := nonfinite_grad_ranks(state, device)):
         problem = f"the gradients are not finite (NaN/Inf) on rank{'s' if len(ranks) > 1 else ''} " \
@@ -122,10 +126,10 @@ def train_step(state: TrainState, streams, layout: Layout, cfg: Config, device: 
     return StepResult(loss, None if grad_norm is None else float(grad_norm), False, extra, tokens, lr)
 
 
-def evaluate(state: TrainState, make_streams, layout: Layout, cfg: Config, device: torch.device) -> float:
+def evaluate(state: TrainState, make_streams, layout: Layout, cfg: Config, device: torch.device) -> dict[str, float]:
     """The token-mean LM loss (forward only) over the first train.eval_iters global batches of the streams
     make_streams() starts (the validation split: the same batches at every evaluation; tools/evaluate.py
-    computes the same number from a checkpoint)."""
+    computes the same number from a checkpoint), as {"val_loss": ...}."""
     for chunk in state.model:
         chunk.eval()
     streams = make_streams()  # one pass: batch k of the evaluation is the split's k-th global batch
@@ -135,4 +139,4 @@ def evaluate(state: TrainState, make_streams, layout: Layout, cfg: Config, devic
             total += global_loss_sum(run_schedule(state, streams, layout, cfg, forward_only=True), device)
     for chunk in state.model:
         chunk.train()
-    return (total[0] / total[1].clamp(min=1)).item()
+    return {"val_loss": (total[0] / total[1].clamp(min=1)).item()}

@@ -158,7 +158,7 @@ def stage_activations(cfg: Config, shape: ModelShape, lay: Layout, num_microbatc
         out += act.bytes * act.seq * shape.seq_length
     if shape.sliding_window:  # the sliding layers' band, [s/cp, s] additive, shared (models/core_attention.py)
         out += act.bytes * act.seq * shape.seq_length
-    if str(cfg.data.format) == "sft":  # packed conversations: each micro-batch in flight keeps its [b, 1, s, s]
+    if str(cfg.data.format) in ("sft", "preference"):  # packed conversations: each micro-batch in flight keeps its [b, 1, s, s]
         masks = 2 if shape.sliding_window else 1  # additive mask (and it with the band)
         out += masks * act.bytes * act.micro_batch * act.seq ** 2 * in_flight / len(numbers)
     if stage == lay.pp - 1:  # final norm and output-layer inputs; cross entropy's fp32 softmax over the vocabulary

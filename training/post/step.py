@@ -1,0 +1,106 @@
+"""The preference step: the reference's pass over the step's micro-batches, then the policy's (Megatron-Core's
+schedule through training/engine/step.py's seam), the loss a function of each pair's answer sums.
+
+    objective = PreferenceObjective(cfg, state)       # training/engine/loop.py, when post.objective is set
+    result = objective.train_step(state, streams, layout, cfg, device)     # StepResult: loss, rewards/* in extra
+    values = objective.evaluate(state, make_streams, layout, cfg, device)  # {"val_loss", "val_rewards/..."}
+
+Per micro-batch (last stage): the answers' log-prob sums (training/post/logps.py) -> the objective per pair
+(training/post/objectives.py) -> the returned loss is the micro-batch's sum over pairs and its count the pairs, so
+Megatron-Core's per-token normalisation (calculate_per_token_loss: finalize_model_grads divides the gradients by
+the global count) makes the gradient that of the mean over the global batch's pairs, at every DP / PP layout.
+The SFT term is a token mean over the global batch's chosen answers: its sum is scaled by pairs / chosen tokens
+of the global batch, counted before the step (one all-reduce over DP).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from training.config.schema import Config
+from training.engine import step as engine_step
+from training.engine.losses import global_loss_sum
+from training.parallel import dist as D
+from training.post.logps import answer_sums
+from training.post.objectives import METRICS, metric_sums, pair_losses
+from training.post.reference import Reference
+
+
+def peek(streams, count: int):
+    """The step's next `count` micro-batches of every stream (the dicts the step will read) and iterators over
+    them shaped as the streams (a list per model chunk, None for a chunk that reads nothing, or one)."""
+    if isinstance(streams, list):
+        batches = [None if s is None else [b for _, b in s.read_ahead(count)] for s in streams]
+        return batches, [None if b is None else iter(b) for b in batches]
+    batches = None if streams is None else [b for _, b in streams.read_ahead(count)]
+    return [batches], (None if batches is None else iter(batches))
+
+
+class PreferenceObjective:
+    def __init__(self, cfg: Config, state):
+        self.post = cfg.post
+        self.reference = Reference.of(cfg, state)
+        D.print0(f"post-training: post.objective={self.post.objective}, beta {self.post.beta}, reference "
+                 f"{self.post.reference}" + (f", sft_weight {self.post.sft_weight}" if self.post.sft_weight else ""))
+
+    def _prepare(self, streams, count: int, device) -> torch.Tensor:
+        """Score the step's pairs with the reference; [pairs, chosen answer tokens] of the global batch."""
+        batches, iterators = peek(streams, count)
+        if self.reference is not None:
+            self.reference.score(iterators, count)
+        mine = next((b for b in batches if b is not None), [])  # every stage reads packed batches
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch in mine:
+            ids = batch["answer_ids"]
+            totals += torch.tensor([(batch["pair_index"] >= 0).sum().item(), ((ids >= 0) & (ids % 2 == 0)).sum().item()],
+                                   dtype=torch.float64, device=device)
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        return totals
+
+    def _policy_step(self, totals, data_iterator, model):
+        batch = next(data_iterator) if data_iterator is not None else None
+        output, _ = engine_step.forward_step(iter([batch]) if batch is not None else None, model)
+        return output, partial(self._loss, batch, totals)
+
+    def _loss(self, batch, totals, token_losses):
+        device = token_losses.device
+        sums, counts = answer_sums(token_losses, batch["answer_ids"], batch["ref_logps"].shape[1])  # [b, P, 2]
+        present = (batch["pair_index"] >= 0).to(device)  # [b, P] the slots holding a pair
+        logps, lengths = sums[present], counts[present]  # [n, 2] (chosen, rejected)
+        ref = batch["ref_logps"].to(device)[present].float()  # [n, 2]
+        losses, rewards = pair_losses(self.post, logps, ref, lengths)
+        total = losses.sum()
+        if self.post.sft_weight:  # + weight * (chosen NLL sum) * pairs / chosen tokens: the global token mean
+            total = total + self.post.sft_weight * (-logps[:, 0].sum()) * (totals[0] / totals[1].clamp(min=1)).float()
+        n = present.sum()
+        report = {"lm loss": torch.stack([total.detach().double(), n.double()]),
+                  "preference": torch.cat([metric_sums(rewards, logps), n.double().view(1)])}
+        return total, n.to(torch.int), report
+
+    def _summary(self, reports, device, prefix: str = "") -> dict[str, float]:
+        total = global_loss_sum(reports, device, "preference", len(METRICS) + 1)
+        return {prefix + name: (total[k] / total[-1].clamp(min=1)).item() for k, name in enumerate(METRICS)}
+
+    def train_step(self, state, streams, layout, cfg: Config, device):
+        totals = self._prepare(streams, layout.num_microbatches, device)
+        return engine_step.train_step(state, streams, layout, cfg, device, step=partial(self._policy_step, totals),
+                                      summary=self._summary)
+
+    def evaluate(self, state, make_streams, layout, cfg: Config, device) -> dict[str, float]:
+        """The objective and TRL's metrics over the first train.eval_iters global batches of the validation split."""
+        for chunk in state.model:
+            chunk.eval()
+        streams, reports = make_streams(), []
+        with torch.no_grad():
+            for _ in range(cfg.train.eval_iters):
+                totals = self._prepare(streams, layout.num_microbatches, device)
+                reports += engine_step.run_schedule(state, streams, layout, cfg, forward_only=True,
+                                                    step=partial(self._policy_step, totals))
+        for chunk in state.model:
+            chunk.train()
+        loss = global_loss_sum(reports, device)
+        return {"val_loss": (loss[0] / loss[1].clamp(min=1)).item(), **self._summary(reports, device, "val_")}
