@@ -1,0 +1,121 @@
+"""Preference tuning trains the same model at every layout: DPO from a checkpoint, against a live reference that
+differs from it, for 3 steps with clipping active, through the real loop (training.engine.loop.run: packed pairs
+from disk, the reference's pass, Megatron-Core's schedules), at tp2, tp2+sp, pp2, pp2+vpp2 and dp2 with the
+distributed optimizer equals one process: losses, grad norms and TRL's rewards metrics. LoRA-DPO with the base as
+the reference (adapters off) likewise at tp2; and its first step, where the adapters are zero, is the policy scored
+against itself (loss log 2, rewards 0) while a live reference equal to the base gives the same losses after.
+A reference checkpoint of another model is refused in one line."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from harness import run_distributed
+from runs import _train
+
+RTOL = 1e-5  # loss, grad norm, logps: DP / TP sum in another order
+REWARD_ATOL = 2e-6  # beta x (logp - ref): a difference of sums of ~-80 nats (TP: 5e-7 measured, 6e-9 of a sum)
+BASE = ["model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=1",
+        "train.eval_interval=0", "train.tensorboard=false", "optim.warmup_iters=0", "optim.lr=1e-3",
+        "optim.clip_grad=0.3", "checkpoint.dir=null", "data.format=preference", "post=dpo"]
+LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"],
+           "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"], "dp2-distopt": ["parallel.dist_opt=true"]}
+LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "optim.lr=1e-2"]
+KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
+
+
+def pairs(prefix: Path, count: int = 64, seed: int = 0) -> None:
+    """`count` pairs of random byte text: a 3-11 token prompt shared, answers of 4-29 tokens."""
+    from training.data.sft_write import write_sft
+    from training.data.tokenizer import build_tokenizer
+
+    byte = build_tokenizer("byte")
+
+    class ByteChat:
+        name, vocab_size, eod, template_hash = byte.name, byte.vocab_size, byte.eod, "none"
+
+    rng, conversations = np.random.default_rng(seed), []
+    for _ in range(count):
+        p = int(rng.integers(3, 12))
+        prompt = rng.integers(32, 127, p)
+        for _side in range(2):
+            a = int(rng.integers(4, 30))
+            conversations.append((np.r_[prompt, rng.integers(32, 127, a)].astype(np.uint16),
+                                  np.r_[np.zeros(p, np.uint8), np.ones(a, np.uint8)]))
+    write_sft(prefix, conversations, ByteChat(), "preference")
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+
+
+def _runs(root: str, specs: list[tuple[str, list[str]]]) -> dict:
+    """Each (name, overrides) trained in turn in this process group; rank 0 returns {name: records}."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, overrides in specs:
+        _train(overrides, f"{root}/{name}")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            out[name] = records(Path(root) / name) if (Path(root) / name / "metrics.jsonl").exists() else []
+    return out
+
+
+def _refused(root: str) -> str:
+    from runs import train_catching
+
+    return train_catching(BASE + [f"data.paths=[{root}/pairs]", f"checkpoint.load={root}/policy/checkpoints",
+                                  "checkpoint.finetune=true", f"post.reference_load={root}/other/checkpoints",
+                                  "train.iters=1"], f"{root}/refused")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preference_layouts")
+    pairs(root / "pairs")
+    make = [(name, [f"train.seed={seed}", "train.iters=0", f"checkpoint.dir={root / name}/checkpoints"] + extra)
+            for name, seed, extra in (("policy", 1, []), ("reference", 2, []),
+                                      ("other", 3, ["model.num_layers=2"]))]  # a checkpoint of another model
+    data = BASE + [f"data.paths=[{root / 'pairs'}]", "train.iters=3", f"checkpoint.load={root}/policy/checkpoints",
+                   "checkpoint.finetune=true"]
+    dpo = data + [f"post.reference_load={root}/reference/checkpoints"]
+    lora = data + LORA + ["post.reference=lora_base"]
+    lora_live = data + LORA + [f"post.reference_load={root}/policy/checkpoints"]  # live = the base itself
+    one = run_distributed(_runs, 1, (str(root), make + [("one", dpo), ("lora-one", lora), ("lora-live", lora_live)]),
+                          timeout=900)[0]
+    two = run_distributed(_runs, 2, (str(root), [(name, dpo + extra) for name, extra in LAYOUTS.items()] +
+                                     [("lora-tp2", lora + ["parallel.tp=2"])]), timeout=900)[0]
+    return {**one, **two, "refused": run_distributed(_refused, 1, (str(root),), timeout=300)[0]}
+
+
+def _assert_same(runs: dict, name: str, reference: str) -> None:
+    ours, one = runs[name], runs[reference]
+    assert [r["iteration"] for r in ours] == [1, 2, 3] == [r["iteration"] for r in one], (name, ours)
+    for a, b in zip(ours, one):
+        for key in KEYS:
+            tol = dict(abs=REWARD_ATOL) if key.startswith("rewards/") else dict(rel=RTOL)
+            assert a[key] == pytest.approx(b[key], **tol), (name, a["iteration"], key, a[key], b[key])
+        assert a["rewards/accuracies"] == b["rewards/accuracies"], (name, a["iteration"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dpo_at_a_layout_equals_one_process(runs, layout):
+    one = runs["one"]
+    assert one[0]["rewards/margins"] != 0 and one[0]["loss"] != pytest.approx(math.log(2))  # a reference unlike it
+    assert all(r["grad_norm"] > 0.3 for r in one)  # clipping active (optim.clip_grad=0.3)
+    _assert_same(runs, layout, "one")
+
+
+@pytest.mark.slow
+def test_lora_dpo_against_its_base_equals_one_process_and_a_live_base(runs):
+    first = runs["lora-one"][0]
+    assert first["loss"] == pytest.approx(math.log(2), rel=1e-6) and first["rewards/margins"] == 0  # B = 0: itself
+    _assert_same(runs, "lora-tp2", "lora-one")
+    _assert_same(runs, "lora-live", "lora-one")  # the adapters-off pass = a frozen copy of the base
+
+
+def test_a_reference_of_another_model_is_refused_in_one_line(runs):
+    assert runs["refused"].startswith("error: ") and "\n" not in runs["refused"], runs["refused"]
