@@ -64,7 +64,12 @@ _tokenizer = None  # one per worker process, built by init_worker (tokenizers ne
 
 
 def load_tokenizer(spec: str, data_format: str = "text"):
-    """--tokenizer for --format: build_tokenizer's, or a chat template's (training/data/chat.py) for sft."""
+    """--tokenizer for --format: build_tokenizer's, or a chat template's (training/data/chat.py) for sft; for
+    preference, a directory's chat template, or plain text (`byte`, a tokenizer.json: training/post/records.py)."""
+    if data_format == "preference" and not Path(spec).is_dir():
+        from training.post.records import PlainTokenizer
+
+        return PlainTokenizer(build_tokenizer(spec))
     return chat.ChatTokenizer(spec) if data_format in ("sft", "preference") else build_tokenizer(spec)
 
 

@@ -82,8 +82,11 @@ def format_line(record: dict, total_iters: int) -> str:
         return "-" if value is None else format(value, fmt)
 
     if "val_loss" in record:
-        return (f" eval iter {record['iteration']:>6} | val loss {record['val_loss']:.4f} | "
-                f"val ppl {math.exp(min(record['val_loss'], 30)):.2f}")
+        head = f" eval iter {record['iteration']:>6} | val loss {record['val_loss']:.4f}"
+        extra = [f"{key} {value:.4g}" for key, value in record.items() if key.startswith("val_") and key != "val_loss"]
+        if extra:  # a post-training objective's metrics (training/post/): a perplexity would mean nothing
+            return " | ".join([head, *extra])
+        return f"{head} | val ppl {math.exp(min(record['val_loss'], 30)):.2f}"
     parts = [
         f" iter {record['iteration']:>6}/{total_iters}", f"loss {num('loss', '.4f')}",
         *(f"{key} {num(key, '.4g')}" for key in record if key not in RESERVED_KEYS),

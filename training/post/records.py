@@ -90,9 +90,40 @@ def last_answer(mask: np.ndarray) -> np.ndarray:
     return out
 
 
+class PlainTokenizer:
+    """A tokenizer without a chat template (`byte`, a bare tokenizer.json): a pair in the string layout is the
+    prompt's text then each answer's, ending with the end-of-document token (TRL's standard, non-conversational
+    format: prompt and completion concatenated, EOS after the completion)."""
+
+    template_hash = "none"
+
+    def __init__(self, base):
+        self.base, self.name, self.vocab_size, self.eod = base, base.name, base.vocab_size, base.eod
+
+    def encode(self, text: str) -> list[int]:
+        return self.base.encode(text)
+
+
+def plain_pair(tokenizer: PlainTokenizer, record, file: str, line: int):
+    where = f"{file}:{line}"
+    conversations(record, file, line)  # the same checks: keys, empty answers, chosen == rejected
+    if not all(isinstance(record.get(k), str) for k in ("prompt", "chosen", "rejected")):
+        raise ConfigError(f"{where}: --tokenizer {tokenizer.name} has no chat template: a record is {{\"prompt\", "
+                          f"\"chosen\", \"rejected\"}} as strings (message lists need a tokenizer directory with "
+                          f"a chat template)")
+    prompt = np.asarray(tokenizer.encode(record["prompt"]), np.int64)
+    out = []
+    for key in ("chosen", "rejected"):
+        answer = np.asarray(tokenizer.encode(record[key]) + [tokenizer.eod], np.int64)
+        out.append((np.r_[prompt, answer], np.r_[np.zeros(len(prompt), np.uint8), np.ones(len(answer), np.uint8)]))
+    return tuple(out)
+
+
 def encode_pair(tokenizer, record, file: str, line: int):
     """((ids, mask) of the chosen conversation, (ids, mask) of the rejected one): the mask on the last answer."""
     where = f"{file}:{line}"
+    if isinstance(tokenizer, PlainTokenizer):
+        return plain_pair(tokenizer, record, file, line)
     out = []
     for messages in conversations(record, file, line):
         ids, mask = chat.encode(tokenizer, messages, where)
