@@ -1,7 +1,7 @@
 # make train   set up (first time), train the embedded default (tiny GPT, 2 CPU processes or all GPUs), sample it
 # make test    set up (first time) and run the test suite (CPU; GPU tests run when a GPU is present)
 # make test-fast  the fast tier (< 5 min on 2 cores): configs, the model seam, tp2/pp2 equivalence, one launch
-# make setup   create .venv with the pinned versions (constraints.txt), the test, HF, W&B, data, lm-eval and bench extras
+# make setup   create .venv with the pinned versions (constraints.txt), the test, HF, W&B, data, lm-eval, bench and post extras
 # Extra training overrides: make train ARGS="parallel.tp=2 train.iters=50"
 PYTHON_BIN ?= $(shell tools/find_python.sh)
 VENV := .venv
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -n "$(PYTHON_BIN)" || { echo "error: no Python >= 3.12 found: set PYTHON_BIN=/path/to/python3.12"; exit 1; }
 	$(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf,wandb,data,lmeval,bench]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf,wandb,data,lmeval,bench,post]"
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt torchtitan  # tools/bench.py --compare's peer
 	touch $(STAMP)
 
