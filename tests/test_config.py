@@ -133,8 +133,8 @@ INVALID = {
                              "post.objective=simpo is reference-free: set post.reference=none (it is live)"),
     "lora-base-without-lora": (["post=dpo", "post.reference=lora_base", "data.format=preference",
                                 "data.paths=[a]"], 1, "post.reference=lora_base is the policy with its adapters off"),
-    "live-without-a-model": (["post=dpo", "data.format=preference", "data.paths=[a]"], 1,
-                             "post.reference=live scores with a frozen copy of the starting model"),
+    "stored-without-a-model": (["post=dpo", "data.format=preference", "data.paths=[a]"], 1,
+                             "post.reference=stored scores with the reference model"),
     "preference-cp": (["post=dpo", "post.reference_load=a", "data.format=preference", "data.paths=[a]",
                        "parallel.cp=2"], 2, "data.format=preference with parallel.cp=2: context parallelism does "
                                             "not take packed sequences"),

@@ -4,7 +4,8 @@ from disk, the reference's pass, Megatron-Core's schedules), at tp2, tp2+sp, pp2
 distributed optimizer equals one process: losses, grad norms and TRL's rewards metrics. LoRA-DPO with the base as
 the reference (adapters off) likewise at tp2; and its first step, where the adapters are zero, is the policy scored
 against itself (loss log 2, rewards 0) while a live reference equal to the base gives the same losses after.
-A reference checkpoint of another model is refused in one line."""
+post.reference=stored (scored once, at one process, pp2 or dp2) trains as the live reference. A reference
+checkpoint of another model, and scores of another reference, are refused in one line."""
 
 import json
 import math
@@ -63,12 +64,14 @@ def _runs(root: str, specs: list[tuple[str, list[str]]]) -> dict:
     return out
 
 
-def _refused(root: str) -> str:
+def _refused(root: str) -> list[str]:
     from runs import train_catching
 
-    return train_catching(BASE + [f"data.paths=[{root}/pairs]", f"checkpoint.load={root}/policy/checkpoints",
-                                  "checkpoint.finetune=true", f"post.reference_load={root}/other/checkpoints",
-                                  "train.iters=1"], f"{root}/refused")
+    common = BASE + [f"data.paths=[{root}/pairs]", f"checkpoint.load={root}/policy/checkpoints",
+                     "checkpoint.finetune=true", "train.iters=1"]
+    return [train_catching(common + [f"post.reference_load={root}/other/checkpoints"], f"{root}/refused"),
+            train_catching(common + [f"post.reference_logps={root}/scored_pp2.npz",
+                                     f"post.reference_load={root}/policy/checkpoints"], f"{root}/refused2")]
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +83,17 @@ def runs(tmp_path_factory):
                                       ("other", 3, ["model.num_layers=2"]))]  # a checkpoint of another model
     data = BASE + [f"data.paths=[{root / 'pairs'}]", "train.iters=3", f"checkpoint.load={root}/policy/checkpoints",
                    "checkpoint.finetune=true"]
-    dpo = data + [f"post.reference_load={root}/reference/checkpoints"]
+    stored = data + [f"post.reference_load={root}/reference/checkpoints"]  # post=dpo's default: scored once, one model
+    dpo = stored + ["post.reference=live"]  # a frozen copy beside the policy, scored every step
     lora = data + LORA + ["post.reference=lora_base"]
-    lora_live = data + LORA + [f"post.reference_load={root}/policy/checkpoints"]  # live = the base itself
-    one = run_distributed(_runs, 1, (str(root), make + [("one", dpo), ("lora-one", lora), ("lora-live", lora_live)]),
-                          timeout=900)[0]
+    lora_live = data + LORA + ["post.reference=live", f"post.reference_load={root}/policy/checkpoints"]  # = the base
+    one = run_distributed(_runs, 1, (str(root), make + [("one", dpo), ("lora-one", lora), ("lora-live", lora_live),
+                                                        ("stored-one", stored)]), timeout=900)[0]
     two = run_distributed(_runs, 2, (str(root), [(name, dpo + extra) for name, extra in LAYOUTS.items()] +
-                                     [("lora-tp2", lora + ["parallel.tp=2"])]), timeout=900)[0]
+                                     [("lora-tp2", lora + ["parallel.tp=2"]),
+                                      ("stored-pp2", stored + ["parallel.pp=2", f"post.reference_logps={root}/scored_pp2.npz"]),
+                                      ("stored-dp2", stored + [f"post.reference_logps={root}/scored_dp2.npz"])]),
+                          timeout=900)[0]
     return {**one, **two, "refused": run_distributed(_refused, 1, (str(root),), timeout=300)[0]}
 
 
@@ -117,5 +124,13 @@ def test_lora_dpo_against_its_base_equals_one_process_and_a_live_base(runs):
     _assert_same(runs, "lora-live", "lora-one")  # the adapters-off pass = a frozen copy of the base
 
 
-def test_a_reference_of_another_model_is_refused_in_one_line(runs):
-    assert runs["refused"].startswith("error: ") and "\n" not in runs["refused"], runs["refused"]
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["stored-one", "stored-pp2", "stored-dp2"])
+def test_stored_reference_log_probs_train_as_the_live_reference(runs, name):
+    _assert_same(runs, name, "one")
+
+
+def test_a_reference_of_another_model_or_scores_of_another_reference_are_refused_in_one_line(runs):
+    other, scores = runs["refused"]
+    assert other.startswith("error: post.reference_load: the model in the config") and "\n" not in other, other
+    assert scores.startswith("error: post.reference_logps=") and "another reference (reference: " in scores, scores

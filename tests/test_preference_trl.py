@@ -165,7 +165,7 @@ def _scenario(root: str) -> dict:
             code = convert_main(convert_hf, ["import", "--hf-dir", str(root / family / name), "--out",
                                              str(root / family / f"{name}_ckpt"), "--preset-out", preset])
             assert code[0] == 0, code
-        cfg = compose([f"hydra.searchpath=[file://{root / family}/conf]", f"model={family}_dpo", "post=dpo",
+        cfg = compose([f"hydra.searchpath=[file://{root / family}/conf]", f"model={family}_dpo", "post=dpo", "post.reference=live",
                        f"post.reference_load={root / family / 'ref_hf_ckpt'}", "data.format=preference",
                        f"data.paths=[{root / 'pairs'}]", f"data.tokenizer={tok}", "data.split='100,0,0'", "model.seq_length=192",
                        f"checkpoint.load={root / family / 'hf_ckpt'}", "checkpoint.finetune=true",
@@ -203,9 +203,11 @@ def compare(ours: dict, theirs: dict) -> dict:
             a, b = ours[family][case], theirs[family][case]
             assert a["answers"] == b["answers"], (family, case)  # the same token ids in every answer
             diffs = {"loss": abs(a["loss"] - b["loss"]) / abs(b["loss"])}
-            m = b["metrics"]  # a margin relative to the rewards it is the difference of
-            scale = {k: max(abs(v), 1e-3, *(abs(m[r]) for r in ("rewards/chosen", "rewards/rejected")
-                                            if k == "rewards/margins")) for k, v in m.items()}
+            # a DPO reward is beta x a difference of float32 sums of ~-35 nats: relative to what it is the difference
+            # of (SimPO's, beta x a mean, has no difference)
+            m, logps = b["metrics"], (abs(a["metrics"]["logps/chosen"]), abs(a["metrics"]["logps/rejected"]))
+            sums = 0 if case == "simpo" else CASES[case][0].get("beta", 0.1) * max(logps)
+            scale = {k: max(abs(v), 1e-3, sums if k.startswith("rewards/") else 0) for k, v in m.items()}
             diffs |= {k: abs(a["metrics"][k] - v) / scale[k] for k, v in m.items()}
             diffs |= {f"grad {n}": rel(g, b["grads"][n]) for n, g in a["grads"].items()}
             out[family][case] = (diffs, len(b["metrics"]), len(a["grads"]), len(b["grads"]))

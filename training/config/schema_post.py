@@ -24,6 +24,7 @@ class Objective(StrEnum):
 
 class Reference(StrEnum):
     live = "live"  # a frozen copy of post.reference_load's weights beside the policy, scored every step
+    stored = "stored"  # that model's log-probs of every pair, scored once and kept beside the data: one model
     lora_base = "lora_base"  # peft=lora: the policy with its adapters off (no second model)
     none = "none"  # reference-free objectives (simpo)
 
@@ -35,5 +36,6 @@ class PostConfig:
     label_smoothing: float = 0.0  # robust: the rate preferences are flipped, in [0, 0.5); simpo: its smoothing
     simpo_gamma: float = 0.5  # simpo: the target reward margin gamma (TRL's CPOConfig default)
     sft_weight: float = 0.0  # + weight * the chosen answers' token-mean NLL (RPO; TRL's loss_type=[..., "sft"])
-    reference: Reference = Reference.live  # where the reference log-probs come from (simpo: none)
-    reference_load: Optional[str] = None  # live: the reference checkpoint (null: checkpoint.load, the SFT model)
+    reference: Reference = Reference.stored  # where the reference log-probs come from: scored once, one model (simpo: none)
+    reference_load: Optional[str] = None  # live, stored: the reference checkpoint (null: checkpoint.load, the SFT model)
+    reference_logps: Optional[str] = None  # stored: the scores' file (null: PREFIX.ref-<digest>.npz beside the data)

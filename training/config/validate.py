@@ -172,12 +172,12 @@ def post_problems(cfg: Config) -> list[str]:
     if free and reference != "none":
         out.append(f"post.objective=simpo is reference-free: set post.reference=none (it is {reference})")
     if not free and reference == "none":
-        out.append(f"post.objective={objective} compares the policy with a reference: set post.reference=live "
-                   f"(or lora_base with peft=lora)")
+        out.append(f"post.objective={objective} compares the policy with a reference: set post.reference=stored "
+                   f"(or live, or lora_base with peft=lora)")
     if reference == "lora_base" and str(cfg.peft.method) != "lora":
         out.append("post.reference=lora_base is the policy with its adapters off: it needs peft=lora")
-    if reference == "live" and p.reference_load is None and cfg.checkpoint.load in (None, "auto"):
-        out.append("post.reference=live scores with a frozen copy of the starting model: set post.reference_load="
+    if reference in ("live", "stored") and p.reference_load is None and cfg.checkpoint.load in (None, "auto"):
+        out.append(f"post.reference={reference} scores with the reference model: set post.reference_load="
                    "<checkpoint> (or checkpoint.load=<the SFT checkpoint> with checkpoint.finetune=true)")
     if p.beta <= 0:
         out.append(f"post.beta={p.beta} must be > 0")

@@ -56,7 +56,14 @@ class Run:
 class TokenLoss:
     """The next-token loss of pretraining and SFT: training/engine/step.py as it is."""
 
-    train_step, evaluate = staticmethod(train_step), staticmethod(evaluate)
+    def train_step(self, *args, **kwargs):
+        return train_step(*args, **kwargs)  # looked up at each call: tests (and users' hooks) may wrap loop.train_step
+
+    def evaluate(self, *args, **kwargs):
+        return evaluate(*args, **kwargs)
+
+    def attach(self, state, layout, train_ds, valid_ds) -> None:
+        """What the objective needs of the data before training (post-training's stored reference): nothing."""
 
 
 def objective_of(cfg: Config, state: TrainState):
@@ -121,9 +128,10 @@ def setup(cfg: Config, layout: Layout, device, run_dir: Path) -> Run:
     D.print0(f"config: {layout.describe()}; {t.global_batch_size * shape.seq_length} tokens/step; vocab "
              f"{shape.vocab_size} (padded {shape.padded_vocab(layout.tp)}); {device.type}; start at iteration "
              f"{start.iteration} ({start.consumed_samples} samples consumed); {optim_defaults.describe(cfg)}")
+    objective = objective_of(cfg, state)
+    objective.attach(state, layout, train_ds, valid_ds)
     return Run(state, start, micro_batch_streams(chunks, train_ds, start.consumed_samples, t.micro_batch_size, packed),
-               lambda: micro_batch_streams(chunks, valid_ds, 0, t.micro_batch_size, packed), train_samples,
-               objective_of(cfg, state))
+               lambda: micro_batch_streams(chunks, valid_ds, 0, t.micro_batch_size, packed), train_samples, objective)
 
 
 def run(cfg: Config, layout: Layout, run_dir: str | Path) -> dict:

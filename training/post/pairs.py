@@ -56,6 +56,7 @@ class PackedPairs(torch.utils.data.Dataset):
             self.samples += [order[b] for b in (bins[i] for i in rng.permutation(len(bins)))]
             epoch += 1
         self.epochs = epoch
+        self.reference: np.ndarray | None = None  # [pairs, 2] stored reference log-probs (training/post/stored.py)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -65,9 +66,11 @@ class PackedPairs(torch.utils.data.Dataset):
         tokens, labels = np.full(s, self.eod, np.int64), np.full(s, self.eod, np.int64)
         loss_mask, segments, answers = np.zeros(s, np.float32), np.zeros(s, np.int64), np.full(s, -1, np.int64)
         positions, at = np.zeros(s, np.int64), 0
-        pair_index = np.full(self.slots, -1, np.int64)
+        pair_index, ref = np.full(self.slots, -1, np.int64), np.zeros((self.slots, 2))
         for k, pair in enumerate(self.samples[index].tolist()):
             pair_index[k] = pair
+            if self.reference is not None:
+                ref[k] = self.reference[pair]
             for side in (0, 1):  # chosen, rejected
                 n = int(self.lengths[pair, side])
                 ids, mask = self.conversations.get(2 * pair + side, n + 1)  # [n + 1] each
@@ -79,7 +82,7 @@ class PackedPairs(torch.utils.data.Dataset):
         return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
                 "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.from_numpy(positions),
                 "segment_ids": torch.from_numpy(segments), "answer_ids": torch.from_numpy(answers),
-                "pair_index": torch.from_numpy(pair_index), "ref_logps": torch.zeros(self.slots, 2, dtype=torch.float64)}
+                "pair_index": torch.from_numpy(pair_index), "ref_logps": torch.from_numpy(ref)}
 
     def describe(self) -> str:
         filled = sum(int(self.lengths[p].sum()) for p in self.samples)

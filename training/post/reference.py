@@ -29,6 +29,16 @@ from training.parallel.wrap import unwrap
 from training.post.logps import answer_sums
 
 
+def peek(streams, count: int):
+    """The step's next `count` micro-batches of every stream (the dicts the step will read) and iterators over
+    them shaped as the streams (a list per model chunk, None for a chunk that reads nothing, or one)."""
+    if isinstance(streams, list):
+        batches = [None if s is None else [b for _, b in s.read_ahead(count)] for s in streams]
+        return batches, [None if b is None else iter(b) for b in batches]
+    batches = None if streams is None else [b for _, b in streams.read_ahead(count)]
+    return [batches], (None if batches is None else iter(batches))
+
+
 class Reference:
     def __init__(self, chunks, config, cfg: Config, base: bool):
         self.chunks, self.config, self.cfg, self.base = chunks, config, cfg, base
@@ -36,7 +46,7 @@ class Reference:
     @classmethod
     def of(cls, cfg: Config, state):
         kind = str(cfg.post.reference)
-        if kind == "none":
+        if kind in ("none", "stored"):  # stored: the batches carry the scores (training/post/stored.py)
             return None
         if kind == "lora_base":
             return cls(state.model, state.config, cfg, base=True)
@@ -91,6 +101,6 @@ def live_model(cfg: Config, state):
         for param in chunk.parameters():
             param.requires_grad_(False)
         chunk.eval()
-    D.print0(f"reference: the weights of {path}, frozen (post.reference=live)")
+    D.print0(f"reference: the weights of {path}, frozen (post.reference={cfg.post.reference})")
     assert all(unwrap(c).post_process == unwrap(p).post_process for c, p in zip(ref.model, state.model))
     return ref.model, ref.config

@@ -27,25 +27,24 @@ from training.engine.losses import global_loss_sum
 from training.parallel import dist as D
 from training.post.logps import answer_sums
 from training.post.objectives import METRICS, metric_sums, pair_losses
-from training.post.reference import Reference
-
-
-def peek(streams, count: int):
-    """The step's next `count` micro-batches of every stream (the dicts the step will read) and iterators over
-    them shaped as the streams (a list per model chunk, None for a chunk that reads nothing, or one)."""
-    if isinstance(streams, list):
-        batches = [None if s is None else [b for _, b in s.read_ahead(count)] for s in streams]
-        return batches, [None if b is None else iter(b) for b in batches]
-    batches = None if streams is None else [b for _, b in streams.read_ahead(count)]
-    return [batches], (None if batches is None else iter(batches))
+from training.post.reference import Reference, peek
 
 
 class PreferenceObjective:
     def __init__(self, cfg: Config, state):
-        self.post = cfg.post
+        self.cfg, self.post = cfg, cfg.post
         self.reference = Reference.of(cfg, state)
         D.print0(f"post-training: post.objective={self.post.objective}, beta {self.post.beta}, reference "
                  f"{self.post.reference}" + (f", sft_weight {self.post.sft_weight}" if self.post.sft_weight else ""))
+
+    def attach(self, state, layout, train_ds, valid_ds) -> None:
+        """post.reference=stored: the datasets' pairs take the stored scores (scored now if missing)."""
+        if str(self.post.reference) == "stored":
+            from training.post.stored import load_or_score
+
+            datasets = {"train": train_ds, "valid": valid_ds}
+            for name, table in load_or_score(self.cfg, state, layout, datasets).items():
+                datasets[name].reference = table
 
     def _prepare(self, streams, count: int, device) -> torch.Tensor:
         """Score the step's pairs with the reference; [pairs, chosen answer tokens] of the global batch."""
