@@ -1,14 +1,17 @@
 """Preference tuning trains the same model at every layout: DPO from a checkpoint, against a live reference that
 differs from it, for 3 steps with clipping active, through the real loop (training.engine.loop.run: packed pairs
-from disk, the reference's pass, Megatron-Core's schedules), at tp2, tp2+sp, pp2, pp2+vpp2 and dp2 with the
-distributed optimizer equals one process: losses, grad norms and TRL's rewards metrics. LoRA-DPO with the base as
+from disk, the reference's pass, Megatron-Core's schedules), at tp2, tp2+sp, tp2 with full recomputation, pp2,
+pp2+vpp2, dp2 with the distributed optimizer and dp2 with Megatron-FSDP's ZeRO-3 equals one process: losses, grad
+norms and TRL's rewards metrics; a mixture of experts (moe_tiny, its aux losses on) at ep2 likewise. LoRA-DPO with the base as
 the reference (adapters off) likewise at tp2; and its first step, where the adapters are zero, is the policy scored
 against itself (loss log 2, rewards 0) while a live reference equal to the base gives the same losses after.
 post.reference=stored (scored once, at one process, pp2 or dp2) trains as the live reference. A reference
-checkpoint of another model, and scores of another reference, are refused in one line."""
+checkpoint of another model, and scores of another reference, are refused in one line. The memory estimate's live
+reference term equals the bytes of the reference built on that pipeline stage's rank."""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,9 @@ BASE = ["model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_s
         "train.eval_interval=0", "train.tensorboard=false", "optim.warmup_iters=0", "optim.lr=1e-3",
         "optim.clip_grad=0.3", "checkpoint.dir=null", "data.format=preference", "post=dpo"]
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"],
-           "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"], "dp2-distopt": ["parallel.dist_opt=true"]}
+           "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"], "dp2-distopt": ["parallel.dist_opt=true"],
+           "dp2-zero3": ["parallel.fsdp=optim_grads_params"], "tp2-recompute": ["parallel.tp=2", "model.recompute=full"]}
+MOE = ["model=moe_tiny", "model.num_layers=2"]  # 8 experts top-2, the aux and z losses on
 LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "optim.lr=1e-2"]
 KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
 
@@ -54,12 +59,22 @@ def records(run_dir: Path) -> list[dict]:
 
 def _runs(root: str, specs: list[tuple[str, list[str]]]) -> dict:
     """Each (name, overrides) trained in turn in this process group; rank 0 returns {name: records}."""
-    import torch.distributed as dist
+    from training.post import reference
 
-    out = {}
+    out, built, live_model = {}, [], reference.live_model
+
+    def measured(cfg, state):  # the live reference's bytes on this rank, against the memory estimate's
+        chunks, config = live_model(cfg, state)
+        built.append(sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters()))
+        return chunks, config
+
+    reference.live_model = measured
     for name, overrides in specs:
+        built.clear()
         _train(overrides, f"{root}/{name}")
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        rank = int(os.environ.get("RANK", 0))
+        Path(f"{root}/{name}/reference_bytes.{rank}.json").write_text(json.dumps(built))  # each rank its own
+        if rank == 0:
             out[name] = records(Path(root) / name) if (Path(root) / name / "metrics.jsonl").exists() else []
     return out
 
@@ -80,21 +95,26 @@ def runs(tmp_path_factory):
     pairs(root / "pairs")
     make = [(name, [f"train.seed={seed}", "train.iters=0", f"checkpoint.dir={root / name}/checkpoints"] + extra)
             for name, seed, extra in (("policy", 1, []), ("reference", 2, []),
-                                      ("other", 3, ["model.num_layers=2"]))]  # a checkpoint of another model
+                                      ("other", 3, ["model.num_layers=2"]),  # a checkpoint of another model
+                                      ("moe-policy", 1, MOE), ("moe-reference", 2, MOE))]
     data = BASE + [f"data.paths=[{root / 'pairs'}]", "train.iters=3", f"checkpoint.load={root}/policy/checkpoints",
                    "checkpoint.finetune=true"]
     stored = data + [f"post.reference_load={root}/reference/checkpoints"]  # post=dpo's default: scored once, one model
     dpo = stored + ["post.reference=live"]  # a frozen copy beside the policy, scored every step
     lora = data + LORA + ["post.reference=lora_base"]
+    moe = [o for o in data if not o.startswith("checkpoint.load")] + MOE + [
+        f"checkpoint.load={root}/moe-policy/checkpoints", f"post.reference_load={root}/moe-reference/checkpoints"]
     lora_live = data + LORA + ["post.reference=live", f"post.reference_load={root}/policy/checkpoints"]  # = the base
     one = run_distributed(_runs, 1, (str(root), make + [("one", dpo), ("lora-one", lora), ("lora-live", lora_live),
-                                                        ("stored-one", stored)]), timeout=900)[0]
+                                                        ("stored-one", stored),
+                                                        ("moe-one", moe)]), timeout=900)[0]
     two = run_distributed(_runs, 2, (str(root), [(name, dpo + extra) for name, extra in LAYOUTS.items()] +
                                      [("lora-tp2", lora + ["parallel.tp=2"]),
                                       ("stored-pp2", stored + ["parallel.pp=2", f"post.reference_logps={root}/scored_pp2.npz"]),
-                                      ("stored-dp2", stored + [f"post.reference_logps={root}/scored_dp2.npz"])]),
+                                      ("stored-dp2", stored + [f"post.reference_logps={root}/scored_dp2.npz"]),
+                                      ("moe-ep2", moe + ["parallel.ep=2"])]),
                           timeout=900)[0]
-    return {**one, **two, "refused": run_distributed(_refused, 1, (str(root),), timeout=300)[0]}
+    return {**one, **two, "root": root, "refused": run_distributed(_refused, 1, (str(root),), timeout=300)[0]}
 
 
 def _assert_same(runs: dict, name: str, reference: str) -> None:
@@ -134,3 +154,28 @@ def test_a_reference_of_another_model_or_scores_of_another_reference_are_refused
     other, scores = runs["refused"]
     assert other.startswith("error: post.reference_load: the model in the config") and "\n" not in other, other
     assert scores.startswith("error: post.reference_logps=") and "another reference (reference: " in scores, scores
+
+
+@pytest.mark.slow
+def test_dpo_of_a_mixture_of_experts_at_ep2_equals_one_process(runs):
+    _assert_same(runs, "moe-ep2", "moe-one")
+
+
+def test_the_memory_estimate_counts_the_live_reference_as_built_and_stored_scores_hold_none(runs):
+    from models.shape import ModelShape
+    from training.config.compose import compose
+    from training.estimate.memory import estimate
+    from training.parallel.layout import Layout
+
+    live = ["post.reference=live"]
+    for name, overrides, world in (("one", live, 1), ("tp2", live + ["parallel.tp=2"], 2),
+                                   ("pp2", live + ["parallel.pp=2"], 2), ("stored-dp2", [], 2)):
+        cfg = compose(BASE + ["data.paths=[x]", "post.reference_load=x"] + overrides)
+        est = estimate(cfg, ModelShape.of(cfg.model, 257), Layout.of(cfg, world))
+        built = [json.loads(f.read_text()) for f in sorted((runs["root"] / name).glob("reference_bytes.*.json"))]
+        assert len(built) == world, built  # per rank: [bytes] of each live reference built
+        if name.startswith("stored"):  # scored once by a reference that is freed: training holds one model
+            assert est.reference == 0 and all(len(b) == 1 for b in built), built
+        else:
+            on_stage = built[est.stage * world // est.layout.pp][0]  # a rank of the estimate's pipeline stage
+            assert on_stage == est.reference > 0, (name, built, est.stage, est.reference)

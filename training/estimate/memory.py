@@ -33,7 +33,9 @@ vocabulary's logits too when it is whole.
 
 peft=lora (training/estimate/lora.py): the frozen base keeps its weights only, in the training dtype (2 or 4
 bytes; no gradient, main-grad buffer, fp32 copy or Adam state), the adapters the 18 (16) bytes above; the
-adapters' rank-r activations (and their dropout's) are added to each layer's.
+adapters' rank-r activations (and their dropout's) are added to each layer's. A preference step (post=dpo) packs
+both answers of a pair as tokens of the sequence: its activations are a token step's; post.reference=live adds the
+frozen reference's weights in the training dtype, stored scores and the LoRA base add nothing.
 
 Not counted (keep headroom with train.max_memory_fraction): the CUDA context and NCCL buffers (~1 GB),
 allocator fragmentation, pipeline send/receive buffers, O(s) statistics (norms', flash attention's softmax).
@@ -67,6 +69,7 @@ class Estimate:
     activations: float  # bytes on that GPU at the peak of the step
     recompute: str = "none"  # model.recompute the activations assume
     adapters: int = 0  # peft=lora: the trainable adapter elements on that GPU (params_per_gpu: the frozen base)
+    reference: float = 0.0  # post.reference=live: the frozen reference's weights on that GPU (in weights_and_optimizer)
 
     @property
     def total(self) -> float:
@@ -81,7 +84,14 @@ class Estimate:
         return (f"memory estimate per GPU ({self.layout.name}, recompute {self.recompute}): {g['total']:.2f} GB = "
                 f"weights+grads+optimizer {g['weights_and_optimizer']:.2f} + activations {g['activations']:.2f} on "
                 f"pipeline stage {self.stage} ({self.params_per_gpu / 1e6:,.1f} M of {self.params_total / 1e6:,.1f} M "
-                f"parameters{f'; LoRA: frozen, + {self.adapters / 1e6:,.2f} M adapter' if self.adapters else ''})")
+                f"parameters{f'; LoRA: frozen, + {self.adapters / 1e6:,.2f} M adapter' if self.adapters else ''}"
+                f"{f'; + a live reference {self.reference / GB:.2f} GB' if self.reference else ''})")
+
+
+def live_reference(cfg: Config) -> bool:
+    """post.reference=live holds a second model (stored scores, the LoRA base and SimPO hold none; the reference's
+    forward-only pass frees its activations before the policy's pass: no activation term)."""
+    return str(cfg.post.objective) != "none" and str(cfg.post.reference) == "live"
 
 
 def bytes_per_param(precision: str, dist_opt: bool, dp: int, fsdp: str = "none") -> float:
@@ -194,6 +204,8 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool 
         if lora.enabled(cfg):  # a frozen base: its weights only, in the training dtype (training/estimate/lora.py)
             weights = params * (2 if precision == "bf16" else 4) + \
                 adapters * bytes_per_param(precision, lay.dist_opt, lay.grad_group)
+        reference = params * (2 if precision == "bf16" else 4) * live_reference(cfg)  # frozen: its weights only
+        weights += reference
         activations = stage_activations(cfg, shape, lay, lay.num_microbatches, stage, flash_attention)
         if lay.fsdp_enabled:  # ZeRO-3's unsharded weights: the root unit always, two layers' units in flight
             layer = sum(block.num_params(shape, split_of(lay))
@@ -201,7 +213,7 @@ def estimate(cfg: Config, shape: ModelShape, lay: Layout, flash_attention: bool 
             root, in_flight = fsdp_feature.unsharded_bytes(precision, lay.fsdp, params, layer, shape.num_layers)
             weights, activations = weights + root, activations + in_flight
         candidate = Estimate(lay, _params(shape), params, stage, weights, activations,
-                             str(cfg.model.recompute), adapters)
+                             str(cfg.model.recompute), adapters, reference)
         if worst is None or candidate.total > worst.total:
             worst = candidate
     return worst
