@@ -12,6 +12,8 @@ reference term equals the bytes of the reference built on that pipeline stage's 
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,7 @@ BASE = ["model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_s
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"],
            "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"], "dp2-distopt": ["parallel.dist_opt=true"],
            "dp2-zero3": ["parallel.fsdp=optim_grads_params"], "tp2-recompute": ["parallel.tp=2", "model.recompute=full"]}
+HALVES = ["data.split='50,50,0'", "train.eval_interval=3", "train.eval_iters=1"]  # a held-out half, evaluated
 MOE = ["model=moe_tiny", "model.num_layers=2"]  # 8 experts top-2, the aux and z losses on
 LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "optim.lr=1e-2"]
 KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
@@ -107,7 +110,12 @@ def runs(tmp_path_factory):
     lora_live = data + LORA + ["post.reference=live", f"post.reference_load={root}/policy/checkpoints"]  # = the base
     one = run_distributed(_runs, 1, (str(root), make + [("one", dpo), ("lora-one", lora), ("lora-live", lora_live),
                                                         ("stored-one", stored),
-                                                        ("moe-one", moe)]), timeout=900)[0]
+                                                        ("moe-one", moe),
+                                                        *[(f"{name}-scored", data + HALVES + [  # its log-probs
+                                                            f"post.reference_load={root}/{name}/checkpoints",
+                                                            f"post.reference_logps={root}/scored_{name}.npz"])
+                                                          for name in ("policy", "reference")]]),
+                          timeout=900)[0]
     two = run_distributed(_runs, 2, (str(root), [(name, dpo + extra) for name, extra in LAYOUTS.items()] +
                                      [("lora-tp2", lora + ["parallel.tp=2"]),
                                       ("stored-pp2", stored + ["parallel.pp=2", f"post.reference_logps={root}/scored_pp2.npz"]),
@@ -179,3 +187,34 @@ def test_the_memory_estimate_counts_the_live_reference_as_built_and_stored_score
         else:
             on_stage = built[est.stage * world // est.layout.pp][0]  # a rank of the estimate's pipeline stage
             assert on_stage == est.reference > 0, (name, built, est.stage, est.reference)
+
+
+def _evaluate(*args: str) -> dict:
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "tools/evaluate.py", "--json", *args], cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_evaluate_pairs_gives_the_preference_accuracy_of_the_stored_scores_at_any_layout(runs):
+    """tools/evaluate.py --pairs: every held-out pair once, = TRL's metrics computed here from the policy's and the
+    reference's stored per-pair log-probs (scored by the training runs), at one process and at tp2."""
+    root = runs["root"]
+    args = ["--ckpt", f"{root}/policy/checkpoints", "--pairs", f"{root}/pairs", "--reference",
+            f"{root}/reference/checkpoints"]
+    overrides = ["model.seq_length=64", "train.micro_batch_size=2", HALVES[0]]
+    policy, ref = (np.load(root / f"scored_{name}.npz")["valid"] for name in ("policy", "reference"))
+    kept = ~np.isnan(policy[:, 0])
+    rewards = 0.1 * (policy[kept] - ref[kept])  # [pairs, 2] beta x (policy - reference), chosen and rejected
+    d = rewards[:, 0] - rewards[:, 1]
+    expected = {"rewards/accuracies": float((d > 0).mean()), "rewards/margins": float(d.mean()),
+                "rewards/chosen": float(rewards[:, 0].mean()), "logps/rejected": float(policy[kept, 1].mean()),
+                "loss": float(np.logaddexp(0, -d).mean())}  # -log sigmoid(d)
+    assert kept.sum() >= 3 and 0 < expected["rewards/accuracies"] < 1, kept.sum()
+    for extra in ([], ["--nproc", "2", "parallel.tp=2"]):
+        got = _evaluate(*args, *extra[:2], *overrides, *extra[2:])
+        assert got["pairs"] == kept.sum(), (extra, got)
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (extra, key, got[key], value)

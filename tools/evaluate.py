@@ -5,6 +5,7 @@ evaluated), on a text file, or on a preprocessed dataset, at any layout; or lm-e
     .venv/bin/python tools/evaluate.py --ckpt DIR --text notes.txt --json  # a text file (one document a line)
     .venv/bin/python tools/evaluate.py --ckpt DIR --data data/corpus --batches 20     # a dataset's validation split
     .venv/bin/python tools/evaluate.py --ckpt DIR --nproc 2 parallel.tp=2    # at another layout (it reshards)
+    .venv/bin/python tools/evaluate.py --ckpt DPO_DIR --pairs data/pairs     # preference accuracy vs the reference
     .venv/bin/python tools/evaluate.py --ckpt DIR --tasks arc_easy,hellaswag --nproc 2 parallel.tp=2  # lm-eval tasks
     .venv/bin/python tools/evaluate.py --ckpt DIR --tasks my_task --include-path my_tasks/ --output results.json \
         --log-samples
@@ -17,6 +18,10 @@ model.seq_length + 1 tokens; every token is predicted once (the last window's ta
 --tasks (the `lmeval` extra: pip install -e '.[lmeval]'): lm-eval's own task definitions, or your task YAMLs
 (--include-path), scored by training/interop/lm_eval_adapter.py at max length model.seq_length on one model
 replica (processes = tp x pp); prints lm-eval's table (--json: one line), --output writes lm-eval's results.
+--pairs (a `--format preference` dataset): every pair of its validation split once (data.split=0,100,0: the whole
+file), scored by the checkpoint and a reference (--reference, else the one its DPO run used): TRL's
+rewards/accuracies (how often the chosen answer gains more over the reference than the rejected one), margins,
+chosen / rejected rewards and log-probs, and the objective's loss (training/post/evaluate.py).
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ def parse_args(argv):
                         "end-of-document token (counted and predicted, as in training): every token once")
     source.add_argument("--data", help="a preprocessed dataset prefix (.bin/.idx): its validation split")
     source.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (lm-eval ls tasks)")
+    source.add_argument("--pairs", help="a preference dataset prefix (--format preference): preference accuracy of "
+                        "its validation split against --reference")
+    ap.add_argument("--reference", help="--pairs: the reference checkpoint (default: the one the run trained against)")
     lm = ap.add_argument_group("lm-evaluation-harness (--tasks)")
     lm.add_argument("--include-path", action="append", default=[], help="a directory of your task YAMLs (repeat)")
     lm.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
@@ -120,6 +128,8 @@ def run(args) -> None:
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     with D.distributed(**D.layout_of(cfg)) as info:
         state = load_model(cfg, shape, info.device)
+        if args.pairs:
+            return print_pairs(args, cfg, state, layout, tokenizer, info.device, path)
         chunks, micro, g = len(state.model), cfg.train.micro_batch_size, cfg.train.global_batch_size
         packed = str(cfg.data.format) in ("sft", "preference") and not args.text  # conversations: every stage reads its batches
         if args.text:
@@ -151,12 +161,29 @@ def run(args) -> None:
                   f"batches of {result['source']} | {result['layout']} | {path}", flush=True)
 
 
+def print_pairs(args, cfg, state, layout, tokenizer, device, path) -> None:
+    from training.post.evaluate import evaluate_pairs
+
+    values = evaluate_pairs(cfg, state, layout, tokenizer, device)
+    if os.environ.get("RANK", "0") == "0":
+        values.update(checkpoint=str(path), source=args.pairs)
+        print(json.dumps(values) if args.json else
+              f"preference accuracy {values['rewards/accuracies']:.4f} | margins {values['rewards/margins']:.4f} | "
+              f"loss {values['loss']:.4f} ({values['objective']}, beta {values['beta']}) | {values['pairs']} pairs "
+              f"of {args.pairs} | reference {values['reference']} | {path}", flush=True)
+
+
 def eval_config(args, world: int):
     """(config, shape, checkpoint path) of the evaluation on `world` processes: the checkpoint's run at the
     overrides' layout, reading --data's dataset, or --text one micro-batch per DP rank a step (its windows in order)."""
     from training.interop.generation import inference_config
 
     cfg, shape, path = inference_config(args.ckpt, args.overrides, for_generation=False)
+    if args.pairs:
+        from training import checkpoint
+        from training.post.evaluate import pairs_config
+
+        cfg = pairs_config(cfg, checkpoint.read_run(path), args.pairs, args.reference)
     if args.data:
         cfg.data.paths, cfg.data.weights = [args.data], None
     if args.text:

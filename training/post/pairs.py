@@ -91,6 +91,16 @@ class PackedPairs(torch.utils.data.Dataset):
                 f"{self.epochs} epoch(s), {100 * filled / max(len(self.samples) * self.seq, 1):.1f}% of positions filled")
 
 
+def one_epoch(data: PackedPairs, multiple: int) -> tuple[PackedPairs, list[dict]]:
+    """Every kept pair of `data`'s split once, packed, as rows padded with empty ones (no pair in them) to a
+    multiple of `multiple` (micro batch x DP x micro-batches: whole global batches)."""
+    epoch = PackedPairs(data.conversations, data.seq, 0, 1, data.eod, "epoch")
+    rows = [epoch[i] for i in range(len(epoch))]
+    empty = dict(rows[0], pair_index=torch.full_like(rows[0]["pair_index"], -1),
+                 answer_ids=torch.full_like(rows[0]["answer_ids"], -1))
+    return epoch, rows + [empty] * (-len(rows) % multiple)
+
+
 def build(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_data: bool):
     """(train, valid) PackedPairs of at least the given sizes; None, None where needs_data is False."""
     from megatron.core.datasets.blended_megatron_dataset_config import (

@@ -93,13 +93,18 @@ class PreferenceObjective:
         """The objective and TRL's metrics over the first train.eval_iters global batches of the validation split."""
         for chunk in state.model:
             chunk.eval()
-        streams, reports = make_streams(), []
+        values = self.measure(state, make_streams(), layout, cfg, device, cfg.train.eval_iters, "val_")
+        for chunk in state.model:
+            chunk.train()
+        return values
+
+    def measure(self, state, streams, layout, cfg: Config, device, batches: int, prefix: str = "") -> dict:
+        """Forward only over `batches` global batches of `streams`: {loss, rewards/..., logps/...} (prefixed)."""
+        reports = []
         with torch.no_grad():
-            for _ in range(cfg.train.eval_iters):
+            for _ in range(batches):
                 totals = self._prepare(streams, layout.num_microbatches, device)
                 reports += engine_step.run_schedule(state, streams, layout, cfg, forward_only=True,
                                                     step=partial(self._policy_step, totals))
-        for chunk in state.model:
-            chunk.train()
         loss = global_loss_sum(reports, device)
-        return {"val_loss": (loss[0] / loss[1].clamp(min=1)).item(), **self._summary(reports, device, "val_")}
+        return {f"{prefix}loss": (loss[0] / loss[1].clamp(min=1)).item(), **self._summary(reports, device, prefix)}

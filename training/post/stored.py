@@ -75,15 +75,11 @@ def load_or_score(cfg: Config, state, layout, datasets: dict) -> dict[str, np.nd
 def score(reference, data, layout, cfg: Config) -> np.ndarray:
     """[pairs, 2] of `data`'s split: one epoch of its pairs packed, scored by this layout's DP ranks together."""
     from training.data.streams import micro_batch_streams
-    from training.post.pairs import PackedPairs
+    from training.post.pairs import one_epoch
 
-    epoch = PackedPairs(data.conversations, data.seq, 0, 1, data.eod, "score")  # every kept pair once
-    rows = [epoch[i] for i in range(len(epoch))]
-    micro, dp, count = cfg.train.micro_batch_size, layout.dp, layout.num_microbatches
-    per_call = micro * dp * count
-    empty = dict(rows[0], pair_index=torch.full_like(rows[0]["pair_index"], -1),
-                 answer_ids=torch.full_like(rows[0]["answer_ids"], -1))
-    rows += [empty] * (-len(rows) % per_call)
+    micro, count = cfg.train.micro_batch_size, layout.num_microbatches
+    per_call = micro * layout.dp * count
+    epoch, rows = one_epoch(data, per_call)  # every kept pair once
     table = torch.zeros(len(data.lengths), 2, dtype=torch.float64)
     streams = micro_batch_streams(len(reference.chunks), rows, 0, micro, every_stage=True)
     reports = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
