@@ -29,6 +29,7 @@ BASE = ["model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_s
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"],
            "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"], "dp2-distopt": ["parallel.dist_opt=true"],
            "dp2-zero3": ["parallel.fsdp=optim_grads_params"], "tp2-recompute": ["parallel.tp=2", "model.recompute=full"]}
+EVAL = ["train.eval_interval=3", "train.eval_iters=2"]  # stored-eval: its file (stored-one's) has no valid table
 HALVES = ["data.split='50,50,0'", "train.eval_interval=3", "train.eval_iters=1"]  # a held-out half, evaluated
 MOE = ["model=moe_tiny", "model.num_layers=2"]  # 8 experts top-2, the aux and z losses on
 LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "optim.lr=1e-2"]
@@ -114,7 +115,8 @@ def runs(tmp_path_factory):
                                                         *[(f"{name}-scored", data + HALVES + [  # its log-probs
                                                             f"post.reference_load={root}/{name}/checkpoints",
                                                             f"post.reference_logps={root}/scored_{name}.npz"])
-                                                          for name in ("policy", "reference")]]),
+                                                          for name in ("policy", "reference")],
+                                                        ("stored-eval", stored + EVAL), ("live-eval", dpo + EVAL)]),
                           timeout=900)[0]
     two = run_distributed(_runs, 2, (str(root), [(name, dpo + extra) for name, extra in LAYOUTS.items()] +
                                      [("lora-tp2", lora + ["parallel.tp=2"]),
@@ -156,6 +158,16 @@ def test_lora_dpo_against_its_base_equals_one_process_and_a_live_base(runs):
 @pytest.mark.parametrize("name", ["stored-one", "stored-pp2", "stored-dp2"])
 def test_stored_reference_log_probs_train_as_the_live_reference(runs, name):
     _assert_same(runs, name, "one")
+
+
+@pytest.mark.slow
+def test_a_stored_file_without_the_validation_split_scores_it_and_evaluates_as_the_live_reference(runs):
+    evals = {name: [r for r in runs[name] if "val_loss" in r] for name in ("stored-eval", "live-eval")}
+    assert [r["iteration"] for r in evals["live-eval"]] == [3], evals
+    for a, b in zip(evals["stored-eval"], evals["live-eval"], strict=True):
+        for key in ("val_loss", "val_rewards/margins", "val_rewards/chosen", "val_logps/chosen"):
+            assert a[key] == pytest.approx(b[key], rel=RTOL, abs=REWARD_ATOL), (key, a[key], b[key])
+    assert evals["live-eval"][0]["val_rewards/margins"] != 0
 
 
 def test_a_reference_of_another_model_or_scores_of_another_reference_are_refused_in_one_line(runs):

@@ -1,5 +1,5 @@
 """Preference pairs from the embedded corpus (Python's language reference), for the CPU recipe of docs/preference.md:
-a prompt is the start of a sentence, the chosen answer its real continuation, the rejected one the same words in
+a prompt is the first four words of a sentence, the chosen answer its next four, the rejected one the same words in
 reverse order. A model pretrained on the corpus prefers neither at first (DPO's reward accuracy starts at chance);
 DPO teaches it the difference.
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 
-def pairs(count: int, seed: int, prompt_words: int = 8, answer_words: int = 6) -> list[dict]:
+def pairs(count: int, seed: int, prompt_words: int = 4, answer_words: int = 4) -> list[dict]:
     from pydoc_data.topics import topics  # the embedded corpus (training/data/datasets.py embedded_documents)
 
     sentences = [s.split() for name in sorted(topics) for s in re.split(r"(?<=[.!?])\s+", topics[name])]

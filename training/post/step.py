@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -43,8 +44,11 @@ class PreferenceObjective:
             from training.post.stored import load_or_score
 
             datasets = {"train": train_ds, "valid": valid_ds}
-            for name, table in load_or_score(self.cfg, state, layout, datasets).items():
-                datasets[name].reference = table
+            tables = load_or_score(self.cfg, state, layout, datasets)
+            for name, data in datasets.items():
+                if data is not None:
+                    data.reference = tables[name]
+                    assert np.isfinite(data.reference[data.kept]).all(), f"{name}: a kept pair without a stored score"
 
     def _prepare(self, streams, count: int, device) -> torch.Tensor:
         """Score the step's pairs with the reference; [pairs, chosen answer tokens] of the global batch."""

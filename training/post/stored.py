@@ -47,8 +47,10 @@ def table_path(cfg: Config, meta: dict) -> Path:
 
 
 def load_or_score(cfg: Config, state, layout, datasets: dict) -> dict[str, np.ndarray]:
+    """{split: [pairs, 2]} for every split the run reads (None: not read), from the file; a split the file lacks
+    (a run that evaluated nothing wrote no valid table) is scored now and the file rewritten with it."""
     meta = fingerprint(cfg)
-    path = table_path(cfg, meta)
+    path, tables = table_path(cfg, meta), {}
     if path.exists():
         with np.load(path) as saved:
             written = json.loads(str(saved["meta"]))
@@ -56,18 +58,21 @@ def load_or_score(cfg: Config, state, layout, datasets: dict) -> dict[str, np.nd
                 diff = ", ".join(f"{k}: {written.get(k)} vs {meta[k]}" for k in meta if written.get(k) != meta[k])
                 raise ConfigError(f"post.reference_logps={path} was scored from other data or another reference ({diff}):"
                                   f" remove it (it is scored again) or give another path")
-            tables = {name: saved[name] for name in datasets if name in saved.files}
+            tables = {name: saved[name] for name in saved.files if name != "meta"}
+    missing = [name for name, data in datasets.items() if data is not None and name not in tables]
+    if not missing:
         D.print0(f"reference log-probs: {path} (scored from {meta['reference']})")
         return tables
     reference = Reference(*live_model(cfg, state), cfg, base=False)
-    tables = {name: score(reference, data, layout, cfg) for name, data in datasets.items() if data is not None}
+    tables |= {name: score(reference, datasets[name], layout, cfg) for name in missing}
     if D.is_rank0():
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, meta=json.dumps(meta), **tables)
         os.replace(tmp, path)
     dist.barrier()
-    D.print0(f"reference log-probs: scored {sum(len(t) for t in tables.values())} pairs with {meta['reference']}, "
-             f"written to {path}; the reference is freed (post.reference=stored)")
+    scored = sum(int(np.isfinite(tables[name][:, 0]).sum()) for name in missing)
+    D.print0(f"reference log-probs: scored {scored} pairs ({', '.join(missing)}) with {meta['reference']}, written "
+             f"to {path}; the reference is freed (post.reference=stored)")
     del reference
     return tables
 
