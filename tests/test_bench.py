@@ -101,7 +101,7 @@ def test_bench_tool_smoke_compare_json(other):
         [sys.executable, "tools/bench.py", f"--compare-{other}", "--json", "--breakdown", "--threads", "1",
          "--warmup", "1", "--steps", "1", "--windows", "2", "model.num_layers=2", "model.seq_length=32",
          "train.micro_batch_size=2", "train.global_batch_size=4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        cwd=ROOT, capture_output=True, text=True, timeout=600)  # generous: a loaded 2-core machine
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"ours_s", f"{other}_s", "ratio", "tokens_per_s", "tflops_per_device", "mfu", "mem_gb"} <= set(result)
@@ -112,6 +112,18 @@ def test_bench_tool_smoke_compare_json(other):
     assert result["mfu"] is None  # no known peak on CPU
     shares = [v for k, v in result["breakdown"].items() if k.endswith("_share")]
     assert sum(shares) == pytest.approx(1.0, abs=1e-6) and all(s > -1e-3 for s in shares)
+
+
+def test_bench_preference_times_sft_and_dpo_on_the_same_pairs_and_the_reference_as_estimated():
+    proc = subprocess.run(
+        [sys.executable, "tools/bench.py", "--preference", "--json", "--threads", "1", "--warmup", "1", "--windows",
+         "2", "model.num_layers=2", "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert min(r["sft_s"], r["dpo_stored_s"], r["dpo_live_s"]) > 0 and len(r["window_ratios_live"]) == 2
+    assert r["pairs_per_step"] > 4  # packed: several pairs in each of the step's 4 sequences
+    assert r["reference_gb_built"] > 0 and r["reference_gb_built"] == pytest.approx(r["reference_gb_estimate"], rel=1e-9)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -7,6 +7,7 @@ optionally side by side with Megatron-Core's own GPTModel at the same config, la
     .venv/bin/python tools/bench.py --compare                     # ours vs transformers' and torchtitan's Llama, A B C
     .venv/bin/python tools/bench.py --compare --compile           # the same, every side's layers torch.compile'd
     .venv/bin/python tools/bench.py --layouts tp1,tp2,dp2,pp2     # one table row per layout (memory, comm share)
+    .venv/bin/python tools/bench.py --preference --windows 10     # DPO (stored / live reference) vs an SFT step
     .venv/bin/python tools/bench.py --breakdown                   # + where a step's time goes (loop overhead share)
     .venv/bin/python tools/bench.py --nproc 2 parallel.tp=2       # spawn 2 processes (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 8 tools/bench.py parallel.tp=2 model=llama_1b train.precision=bf16
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     versus.add_argument("--compare-mcore", action="store_true", help="also time Megatron-Core's GPTModel, A B A B")
     versus.add_argument("--compare-hf", action="store_true",
                         help="also time transformers' LlamaForCausalLM with plain AdamW, A B A B (one process, fp32)")
+    versus.add_argument("--preference", action="store_true", help="a DPO step (stored and live reference) vs the "
+                        "token step on the same packed pairs (training/bench/bench_post.py)")
     versus.add_argument("--compare", action="store_true",
                         help="also time transformers' and torchtitan's Llama (needs the bench extra), A B C")
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer layer on every side "

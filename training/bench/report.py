@@ -37,6 +37,14 @@ def report(result: dict) -> str:
                      f"(rel diff {r['loss_rel_diff']:.1e})")
     if "titan_s" in r:
         lines += _plain_lines(r)
+    if "dpo_live_s" in r:  # --preference (training/bench/bench_post.py); ours: the token (SFT) step
+        peak = r["peak_gb"]
+        lines.append(f"preference, {r['pairs_per_step']} pairs a step: sft {1e3 * r['sft_s']:.1f} ms | dpo stored "
+                     f"{1e3 * r['dpo_stored_s']:.1f} ms ({r['dpo_stored_over_sft']:.3f}x) | dpo live "
+                     f"{1e3 * r['dpo_live_s']:.1f} ms ({r['dpo_live_over_sft']:.3f}x) (medians of rotated windows)")
+        lines.append(f"live reference: {r['reference_gb_built']:.4f} GB built, {r['reference_gb_estimate']:.4f} GB "
+                     f"estimated" + ("" if peak["sft"] is None else " | peak GB: " + ", ".join(
+                         f"{k} {v:.2f}" for k, v in peak.items())))
     if "activation_bytes" in r:  # --detail
         lines.append(f"per rank: state {r['state_bytes'] / 1e6:.2f} MB; activations per micro-batch "
                      f"{r['activation_bytes'] / 1e6:.2f} MB (estimate {r['activation_estimate_bytes'] / 1e6:.2f} MB"

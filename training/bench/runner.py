@@ -205,6 +205,11 @@ def measure(args) -> dict:
             result.update(compare_mcore(b, flops_per_step))
         elif args.compare_hf or args.compare:
             result.update(compare_plain(b))
+        elif args.preference:  # the token step is ours_s: the same packed pair sequences
+            from training.bench.bench_post import preference
+
+            result.update(preference(b))
+            result["ours_s"] = result["sft_s"]
         else:
             result["ours_steps_s"] = b.run_ours(args.windows * args.steps)
             result["ours_s"] = statistics.median(result["ours_steps_s"])
