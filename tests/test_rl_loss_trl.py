@@ -1,14 +1,19 @@
-"""The GRPO family's loss (training/post/rl/loss.py) = TRL 1.16's GRPOTrainer._compute_loss: for a small random
-Llama, the same prompts and completions (left-padded prompts, right-padded completions of unequal lengths),
-advantages and old and reference log-probs that differ from the policy (so the clip and the KL bite), the loss and
-every parameter gradient agree within 1e-5 for the grpo, dr_grpo and dapo aggregations, with and without the KL.
-TRL runs in a process of its own; ours reads the per-token log-probs of the same model with plain torch.
+"""The GRPO family's loss = TRL 1.16's GRPOTrainer._compute_loss: for a small random Llama, the same prompts and
+completions (right-padded completions of unequal lengths), advantages, and old and reference log-probs that differ
+from the policy (so the clip and the KL bite), the loss and every parameter gradient agree within 1e-5 for the
+grpo, dr_grpo and dapo aggregations, the KL with and without TRL's ratio correction. TRL runs in a process of its
+own on the HF model; ours is the policy-gradient step's loss (training/post/rl/step.py) on our GPT imported from
+that model by tools/convert_hf.py, its gradients exported to HF names by the export path.
 Planted: the clip applied to the advantage's sign wrongly (max for min), padding counted in the token mean ->
 each fails. Group advantages: GRPO's (r - mean) / (std + 1e-4), Dr. GRPO's r - mean and RLOO's leave-one-out."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from harness import run_distributed
+from hf_interop import VOCAB
 
 TOLERANCE = 1e-5
 B, P, T = 6, 5, 7  # completions (2 prompts x 3), prompt and completion positions
@@ -20,54 +25,68 @@ CASES = {"grpo": dict(loss_type="grpo", beta=0.0), "dr_grpo": dict(loss_type="dr
 
 def _inputs(vocab: int) -> dict:
     g = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(3, vocab, (B, P), generator=g)
-    prompt_mask = torch.ones(B, P, dtype=torch.long)
-    prompt_mask[1, :2] = prompt_mask[4, :1] = 0  # left padding
     completion_ids = torch.randint(3, vocab, (B, T), generator=g)
     lengths = torch.tensor([7, 3, 5, 1, 6, 4])
-    completion_mask = (torch.arange(T) < lengths[:, None]).long()  # right padding
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2]),
+    return {"prompt_ids": torch.randint(3, vocab, (B, P), generator=g), "prompt_mask": torch.ones(B, P, dtype=torch.long),
+            "completion_ids": completion_ids, "completion_mask": (torch.arange(T) < lengths[:, None]).long(),
+            "advantages": torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2]),
             "offsets": torch.randn(B, T, generator=g) * 0.3, "ref_offsets": torch.randn(B, T, generator=g) * 0.2}
 
 
-def _model(root: str):
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float()
-
-
-def _logps(model, x: dict) -> torch.Tensor:
-    """[B, T] the completion tokens' log-probs, plain torch (positions from the attention mask, as TRL)."""
+def _hf_logps(model, x: dict) -> torch.Tensor:
+    """[B, T] the completion tokens' log-probs under an HF model, plain torch."""
     ids = torch.cat([x["prompt_ids"], x["completion_ids"]], 1)
     attention = torch.cat([x["prompt_mask"], x["completion_mask"]], 1)
     logits = model(input_ids=ids, attention_mask=attention).logits[:, P - 1:-1].float()  # [B, T, V]
     return torch.log_softmax(logits, -1).gather(-1, x["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
+def _old_and_ref(root: str, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same old and reference log-probs for both sides: the HF policy's, offset."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{root}/hf", dtype=torch.float32)
+    with torch.no_grad():
+        now = _hf_logps(model, x)
+    return now + x["offsets"], now + x["ref_offsets"]
+
+
+def _prepare(root: str) -> None:
+    import transformers
+    from chat_fixtures import chat_tokenizer
+    from hf_interop import ARCH, ROOT, convert_main
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import convert_hf
+
+    tok = chat_tokenizer(Path(root) / "tok", "llama3")
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ARCH, tie_word_embeddings=False))
+    model.save_pretrained(f"{root}/hf")
+    transformers.AutoTokenizer.from_pretrained(tok).save_pretrained(f"{root}/hf")
+    code = convert_main(convert_hf, ["import", "--hf-dir", f"{root}/hf", "--out", f"{root}/ckpt", "--preset-out",
+                                     f"{root}/conf/model/rl_llama.yaml"])
+    assert code[0] == 0, code
+
+
 def _theirs(root: str) -> dict:
     from datasets import Dataset
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     out = {}
     for case, extra in CASES.items():
-        _model(root).save_pretrained(f"{root}/model")  # a path: with beta > 0 TRL loads its reference from it
-        x = _inputs(64)
+        x = _inputs(VOCAB)
+        old, ref = _old_and_ref(root, x)
         args = GRPOConfig(output_dir=f"{root}/{case}", report_to=[], use_cpu=True, bf16=False, num_generations=3,
                           per_device_train_batch_size=B, max_completion_length=T,
                           model_init_kwargs={"dtype": torch.float32}, **extra)
-        trainer = GRPOTrainer(model=f"{root}/model", reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-                              train_dataset=Dataset.from_list([{"prompt": "hi"}] * B), processing_class=_tokenizer())
+        trainer = GRPOTrainer(model=f"{root}/hf", reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                              args=args, train_dataset=Dataset.from_list([{"prompt": "hi"}] * B),
+                              processing_class=AutoTokenizer.from_pretrained(f"{root}/tok"))
         trainer.current_gradient_accumulation_steps = 1
-        with torch.no_grad():
-            now = _logps(trainer.model, x)
         inputs = {k: x[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
-        inputs |= {"old_per_token_logps": now + x["offsets"], "ref_per_token_logps": now + x["ref_offsets"],
-                   "num_items_in_batch": x["completion_mask"].sum()}
+        inputs |= {"old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": x["completion_mask"].sum()}
         trainer.model.train()
         loss = trainer._compute_loss(trainer.model, inputs)
         loss.backward()
@@ -75,42 +94,68 @@ def _theirs(root: str) -> dict:
     return out
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(64)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
-                                  pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    return tok
+def rows(x: dict, old: torch.Tensor, ref: torch.Tensor) -> list[dict]:
+    """Our rollout rows: prompt + completion as one sequence; the label at position P - 1 + t is completion token t."""
+    seq = torch.cat([x["prompt_ids"], x["completion_ids"]], 1)  # [B, P + T]
+    out = []
+    for b in range(B):
+        mask, o, r = torch.zeros(P + T - 1), torch.zeros(P + T - 1), torch.zeros(P + T - 1)
+        mask[P - 1:] = x["completion_mask"][b].float()
+        o[P - 1:], r[P - 1:] = old[b], ref[b]
+        out.append({"tokens": seq[b, :-1], "labels": seq[b, 1:], "loss_mask": mask, "old_logps": o, "ref_logps": r,
+                    "advantages": x["advantages"][b]})
+    return out
 
 
 def _ours(root: str) -> dict:
-    from training.post.rl.loss import LossConfig, policy_loss
+    from models.shape import ModelShape
+    from training import checkpoint
+    from training.config.compose import compose
+    from training.data.streams import micro_batch_streams
+    from training.engine.build import build
+    from training.engine.step import forward_step
+    from training.interop.hf import hf_tensors
+    from training.parallel import dist as D
+    from training.parallel.wrap import unwrap
+    from training.post.rl.loss import LossConfig
+    from training.post.rl.step import PolicyGradient
 
+    _prepare(root)
+    cfg = compose([f"hydra.searchpath=[file://{root}/conf]", "model=rl_llama", f"model.seq_length={P + T - 1}",
+                   f"data.tokenizer={root}/tok", f"checkpoint.load={root}/ckpt", "checkpoint.finetune=true",
+                   "checkpoint.dir=null"])
     out = {}
-    for case, extra in CASES.items():
-        model = _model(root)
-        x = _inputs(model.config.vocab_size)
-        with torch.no_grad():
-            now = _logps(model, x)
-        cfg = LossConfig(aggregation=extra["loss_type"], beta=extra["beta"], epsilon_low=0.2,
-                         epsilon_high=extra.get("epsilon_high", 0.2), max_completion_length=T,
-                         kl_ratio=extra.get("use_bias_correction_kl", True))
-        model.train()
-        logps = _logps(model, x)
-        loss, count, _ = policy_loss(logps, now + x["offsets"], x["advantages"], x["completion_mask"], cfg,
-                                     ref=now + x["ref_offsets"])
-        mean = loss / count  # Megatron-Core's per-token normalisation: the gradient of the sum over the count
-        mean.backward()
-        out[case] = {"loss": mean.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    with D.distributed(tp=1, pp=1, seed=cfg.train.seed, timeout_minutes=2) as info:
+        state = build(cfg, ModelShape.of(cfg.model), info.device, train=False)
+        checkpoint.maybe_load(cfg, state)
+        gpt = unwrap(state.model[0])
+        for case, extra in CASES.items():
+            x = _inputs(VOCAB)
+            old, ref = _old_and_ref(root, x)
+            objective = PolicyGradient(LossConfig(aggregation=extra["loss_type"], beta=extra["beta"],
+                                                  epsilon_high=extra.get("epsilon_high", 0.2), max_completion_length=T,
+                                                  kl_ratio=extra.get("use_bias_correction_kl", True)))
+            gpt.zero_grad(set_to_none=True)
+            gpt.train()
+            batch = next(micro_batch_streams(1, rows(x, old, ref), 0, B))
+            output, _ = forward_step(iter([batch]), gpt)  # [B, s] token losses
+            loss, count, _ = objective._loss(batch, output)
+            (loss / count).backward()  # Megatron-Core's per-token normalisation: the sum over the count
+            saved = {name: p.detach().clone() for name, p in gpt.named_parameters()}
+            with torch.no_grad():  # the gradients in the weights' places: the export path names them as HF does
+                for p in gpt.parameters():
+                    p.copy_(p.grad)
+            grads = {name: t.clone() for name, t in hf_tensors(state)}
+            with torch.no_grad():
+                for name, p in gpt.named_parameters():
+                    p.copy_(saved[name])
+            out[case] = {"loss": (loss / count).item(), "grads": grads}
     return out
 
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("grpo_trl"))
+    root = str(tmp_path_factory.mktemp("grpo_trl"))  # ours first: it writes the HF model and its import
     return run_distributed(_ours, 1, (root,), timeout=600)[0], run_distributed(_theirs, 1, (root,), timeout=600)[0]
 
 
@@ -119,9 +164,9 @@ def test_policy_loss_and_every_gradient_equal_trl(both, case):
     ours, theirs = both[0][case], both[1][case]
     scale = max(abs(theirs["loss"]), 1.0)  # a sum of O(1) terms (|advantage| ~ 1) that may nearly cancel
     assert abs(ours["loss"] - theirs["loss"]) <= TOLERANCE * scale, (ours["loss"], theirs["loss"])
-    assert ours["grads"].keys() == theirs["grads"].keys()
+    assert set(ours["grads"]) == set(theirs["grads"]), set(ours["grads"]) ^ set(theirs["grads"])
     for name, g in ours["grads"].items():
-        t = theirs["grads"][name]
+        t = theirs["grads"][name.removeprefix("module.")]
         assert ((g - t).abs().max() / t.abs().max().clamp(min=1e-12)).item() <= TOLERANCE, name
 
 

@@ -16,7 +16,8 @@ import torch
 
 # a sample's fields a micro-batch carries: [s] each (GPTDataset also gives attention_mask / position_ids, unused)
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids",
-              "answer_ids", "pair_index", "ref_logps")  # the last three: preference pairs (training/post/pairs.py)
+              "answer_ids", "pair_index", "ref_logps",  # preference pairs (training/post/pairs.py)
+              "old_logps", "advantages")  # with ref_logps: RL's rollout rows (training/post/rl/step.py)
 
 
 class MicroBatches:
