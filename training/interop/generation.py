@@ -124,9 +124,11 @@ def last_logits(state: TrainState, tokens: torch.Tensor | None, cache: KVCache, 
     return local  # [b, V_padded]: padded rows are -inf (models/gpt.py)
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | Sequence[torch.Generator]) \
+        -> torch.Tensor:
     """[b, V] -> [b] token ids. Sampling by the inverse CDF in float64 with one uniform per sequence, so equal
-    logits and an equal generator draw equal tokens."""
+    logits and an equal generator draw equal tokens. generator: one for the batch, or one per sequence (its draws
+    then do not depend on which other sequences share the batch: RL's rollouts split over DP ranks)."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.double() / sampling.temperature, dim=-1)  # [b, V]
@@ -137,7 +139,11 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
         before = probs.cumsum(dim=-1) - probs
         probs[before >= sampling.top_p] = 0.0
     cdf = (probs / probs.sum(dim=-1, keepdim=True)).cumsum(dim=-1)
-    u = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
+    if isinstance(generator, torch.Generator):
+        u = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64)
+    else:  # [b, 1] one uniform from each sequence's own generator
+        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generator])
+    u = u.to(cdf.device)
     picks = torch.searchsorted(cdf, u).clamp(max=cdf.shape[-1] - 1)  # [b, 1]
     return order.gather(-1, picks).squeeze(-1)
 
@@ -151,11 +157,13 @@ def _share(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def generate(state: TrainState, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-             eod: int | Sequence[int], device: torch.device, use_cache: bool = True, on_step=None) -> list[list[int]]:
+             eod: int | Sequence[int], device: torch.device, use_cache: bool = True, on_step=None,
+             seeds: Sequence[int] | None = None) -> list[list[int]]:
     """New token ids per prompt (up to and including the first stop id, or max_new_tokens). eod: the id, or the
     ids, that end a sequence (end-of-document; with a chat template also the end of the assistant's turn).
     Every rank calls it and gets the same ids. on_step(step, new_ids [b]) is called on every rank after each
-    token."""
+    token. seeds: one per prompt, each sequence sampling from its own generator (the same completion whatever
+    else is in the batch); else one generator seeded sampling.seed for the batch."""
     batch, longest = len(prompts), max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
         raise ConfigError("an empty prompt: give every prompt at least one token")
@@ -165,7 +173,8 @@ def generate(state: TrainState, prompts: list[list[int]], max_new_tokens: int, s
                           f"(model.seq_length={state.shape.seq_length})")
     pad = torch.tensor([longest - len(p) for p in prompts], device=device)
     tokens = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)  # [b, T] left-padded
-    generator = torch.Generator().manual_seed(sampling.seed)
+    generator = torch.Generator().manual_seed(sampling.seed) if seeds is None else \
+        [torch.Generator().manual_seed(int(seed)) for seed in seeds]
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     stops = torch.tensor([eod] if isinstance(eod, int) else sorted(set(eod)), dtype=torch.long, device=device)
     new_ids: list[list[int]] = [[] for _ in prompts]
