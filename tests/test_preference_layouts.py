@@ -173,6 +173,8 @@ def test_a_stored_file_without_the_validation_split_scores_it_and_evaluates_as_t
 def test_a_reference_of_another_model_or_scores_of_another_reference_are_refused_in_one_line(runs):
     other, scores = runs["refused"]
     assert other.startswith("error: post.reference_load: the model in the config") and "\n" not in other, other
+    assert "num_layers: checkpoint 2 vs config 4" in other and "so it is the policy's model" in other, other
+    assert "set these model.*" not in other, other  # the policy's config is right: the reference is not
     assert scores.startswith("error: post.reference_logps=") and "another reference (reference: " in scores, scores
 
 

@@ -84,7 +84,7 @@ def tokenizer_problem(run: dict, spec: str, path: Path, build_tokenizer) -> str 
             f"token ids stand for other text. Set data.tokenizer={saved} (and preprocess the data with it)")
 
 
-def model_problem(run: dict, shape: ModelShape, preset: str, path: Path) -> str | None:
+def model_problem(run: dict, shape: ModelShape, preset: str, path: Path, hint: bool = True) -> str | None:
     """Every field whose weights' shapes differ between the checkpoint and the config (the shape fields tagged
     "weights", resolved: ffn_hidden_size=null and 4h are the same), in one line; the checkpoint's preset when it
     names another than the config's (model=<preset>)."""
@@ -95,8 +95,8 @@ def model_problem(run: dict, shape: ModelShape, preset: str, path: Path) -> str 
     if not differ:
         return None
     name = run["config"]["model"].get("name")
-    hint = f"; it was written with model={name}: add model={name}" if name and name != preset else \
-        "; set these model.* fields to the checkpoint's values"
+    hint = "" if not hint else f"; it was written with model={name}: add model={name}" if name and name != preset \
+        else "; set these model.* fields to the checkpoint's values"
     return f"the model in the config (model={preset}) does not match checkpoint {path}: " + "; ".join(differ) + hint
 
 

@@ -84,17 +84,22 @@ def live_model(cfg: Config, state):
     """A frozen copy of the reference checkpoint's weights at this layout: (chunks, their TransformerConfig)."""
     from training.checkpoint import read_run, resolve_path
     from training.checkpoint.common import CheckpointError, check_match
+    from training.config.checkpoint_match import model_problem, tokenizer_problem
+    from training.data.tokenizer import build_tokenizer
     from training.checkpoint.torch_dist import load_weights
     from training.engine.build import build
 
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.peft.method = type(cfg.peft.method)("none")  # the reference has no adapters
     path = resolve_path(cfg.post.reference_load or cfg.checkpoint.load)
-    try:  # the tokenizer and the model of the policy (every differing field named)
-        check_match(read_run(path), ref_cfg, state.shape, path, weights_only=True)
-    except CheckpointError as err:
-        raise CheckpointError(f"post.reference_load: {'; '.join(str(err).splitlines())} (the reference scores the "
-                              f"policy's tokens: the same model and tokenizer)") from err
+    run = read_run(path)
+    problem = tokenizer_problem(run, cfg.data.tokenizer, path, build_tokenizer) or \
+        model_problem(run, state.shape, cfg.model.name, path, hint=False)  # every differing field named
+    if problem:
+        raise CheckpointError(f"post.reference_load: {problem}: the reference scores the policy's tokens, so it is "
+                              f"the policy's model and tokenizer (the checkpoint the policy started from, or "
+                              f"another fine-tune of it)")
+    check_match(run, ref_cfg, state.shape, path, weights_only=True)  # what else refuses a load (LoRA adapters)
     ref = build(ref_cfg, state.shape, D.current_device(), init=False, train=False)
     load_weights(ref_cfg, path, ref.model)
     for chunk in ref.model:
