@@ -8,9 +8,11 @@ better and a worse answer: data.format=preference) and are functions of each ans
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
+
+from training.config.schema_rl import RLConfig
 
 
 class Objective(StrEnum):
@@ -20,6 +22,7 @@ class Objective(StrEnum):
     hinge = "hinge"  # SLiC: relu(1 - beta * the log-ratio difference)
     robust = "robust"  # robust DPO: sigmoid with the labels flipped at rate post.label_smoothing, unbiased
     simpo = "simpo"  # SimPO: reference-free, length-normalised log-probs, margin post.simpo_gamma (TRL's CPO)
+    grpo = "grpo"  # RL from rewards: the policy's own rollouts, group advantages, a clipped surrogate (post.rl)
 
 
 class Reference(StrEnum):
@@ -39,3 +42,4 @@ class PostConfig:
     reference: Reference = Reference.stored  # where the reference log-probs come from: scored once, one model (simpo: none)
     reference_load: Optional[str] = None  # live, stored: the reference checkpoint (null: checkpoint.load, the SFT model)
     reference_logps: Optional[str] = None  # stored: the scores' file (null: PREFIX.ref-<digest>.npz beside the data)
+    rl: RLConfig = field(default_factory=RLConfig)  # post.objective=grpo's rollouts, rewards and loss

@@ -163,6 +163,10 @@ def data_problems(cfg: Config, layout: Layout) -> list[str]:
 def post_problems(cfg: Config) -> list[str]:
     """post.*: a preference objective trains on pairs, with a reference where it needs one (training/post/)."""
     p, fmt, objective = cfg.post, str(cfg.data.format), str(cfg.post.objective)
+    if objective == "grpo":
+        from training.config.validate_rl import rl_problems
+
+        return rl_problems(cfg)
     if objective == "none":
         return ["data.format=preference trains with a preference objective: add post=dpo (or post=simpo)"] \
             if fmt == "preference" else []

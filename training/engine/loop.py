@@ -62,14 +62,19 @@ class TokenLoss:
     def evaluate(self, *args, **kwargs):
         return evaluate(*args, **kwargs)
 
-    def attach(self, state, layout, train_ds, valid_ds) -> None:
-        """What the objective needs of the data before training (post-training's stored reference): nothing."""
+    def attach(self, state, layout, train_ds, valid_ds, consumed: int = 0) -> None:
+        """What the objective needs of the data before training (post-training's stored reference, RL's prompt
+        position): nothing."""
 
 
 def objective_of(cfg: Config, state: TrainState):
     """TokenLoss, or post.objective's step (training/post/step.py: imported only for a post-training run)."""
     if str(cfg.post.objective) == "none":
         return TokenLoss()
+    if str(cfg.post.objective) == "grpo":  # its own rollouts: no dataset (training/post/rl/objective.py)
+        from training.post.rl.objective import RLObjective
+
+        return RLObjective(cfg, state)
     from training.post.step import PreferenceObjective
 
     return PreferenceObjective(cfg, state)
@@ -123,13 +128,15 @@ def setup(cfg: Config, layout: Layout, device, run_dir: Path) -> Run:
     train_samples = train_dataset_size(cfg, start)
     evals = t.iters // t.eval_interval + 1 if t.eval_interval else 0
     chunks, packed = len(state.model), str(cfg.data.format) in PACKED  # packed: every stage reads its batches
+    rollouts = str(cfg.post.objective) == "grpo"  # RL draws its own batches
     train_ds, valid_ds = build_datasets(cfg, tokenizer, (train_samples, evals * t.eval_iters * t.global_batch_size),
-                                        reads_data(chunks, packed)) if start.iteration < t.iters else (None, None)
+                                        reads_data(chunks, packed)) if start.iteration < t.iters and not rollouts \
+        else (None, None)
     D.print0(f"config: {layout.describe()}; {t.global_batch_size * shape.seq_length} tokens/step; vocab "
              f"{shape.vocab_size} (padded {shape.padded_vocab(layout.tp)}); {device.type}; start at iteration "
              f"{start.iteration} ({start.consumed_samples} samples consumed); {optim_defaults.describe(cfg)}")
     objective = objective_of(cfg, state)
-    objective.attach(state, layout, train_ds, valid_ds)
+    objective.attach(state, layout, train_ds, valid_ds, start.consumed_samples)
     return Run(state, start, micro_batch_streams(chunks, train_ds, start.consumed_samples, t.micro_batch_size, packed),
                lambda: micro_batch_streams(chunks, valid_ds, 0, t.micro_batch_size, packed), train_samples, objective)
 

@@ -38,7 +38,7 @@ class PreferenceObjective:
         D.print0(f"post-training: post.objective={self.post.objective}, beta {self.post.beta}, reference "
                  f"{self.post.reference}" + (f", sft_weight {self.post.sft_weight}" if self.post.sft_weight else ""))
 
-    def attach(self, state, layout, train_ds, valid_ds) -> None:
+    def attach(self, state, layout, train_ds, valid_ds, consumed: int = 0) -> None:
         """post.reference=stored: the datasets' pairs take the stored scores (scored now if missing)."""
         if str(self.post.reference) == "stored":
             from training.post.stored import load_or_score

@@ -48,7 +48,8 @@ class PolicyGradient:
 
     def _summary(self, reports, device) -> dict[str, float]:
         total = global_loss_sum(reports, device, "rl", len(METRICS) + 1)
-        return {f"rl/{name}": (total[k] / total[-1].clamp(min=1)).item() for k, name in enumerate(METRICS)}
+        return {f"rl/{name}": (total[k] / total[-1].clamp(min=1)).item() for k, name in enumerate(METRICS)
+                if name != "kl" or self.loss.beta}
 
     def train_step(self, state, streams, layout, cfg: Config, device):
         return engine_step.train_step(state, streams, layout, cfg, device, step=self._step, summary=self._summary)
