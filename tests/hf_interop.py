@@ -104,3 +104,23 @@ def logits_at_layouts(jobs: list[tuple[str, str, str, list[str]]], tokens: torch
         parallel_state.destroy_model_parallel()
     D.teardown()
     return out
+
+
+def hf_named_grads(state) -> dict:
+    """The gradients of a single-process model in HF names (the export path's): each weight's .grad put in its
+    place for the export, then the weights restored."""
+    import torch
+
+    from training.interop.hf import hf_tensors
+    from training.parallel.wrap import unwrap
+
+    gpt = unwrap(state.model[0])
+    saved = {name: p.detach().clone() for name, p in gpt.named_parameters()}
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.copy_(p.grad)
+    grads = {name: t.clone() for name, t in hf_tensors(state)}
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            p.copy_(saved[name])
+    return grads

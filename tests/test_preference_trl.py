@@ -45,7 +45,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _ours(state, objective, batch_of, case: dict) -> dict:
     """Our objective on every pair (one micro-batch of the packed sequences): loss, metrics, HF-named gradients."""
     from training.engine.step import forward_step
-    from training.interop.hf import hf_tensors
+    from hf_interop import hf_named_grads
     from training.parallel.wrap import unwrap
 
     gpt = unwrap(state.model[0])
@@ -58,14 +58,7 @@ def _ours(state, objective, batch_of, case: dict) -> dict:
     output, _ = forward_step(iter([batch]), gpt)  # [b, s] token losses
     total, n, report = objective._loss(batch, totals, output)
     (total / n).backward()
-    saved = {name: p.detach().clone() for name, p in gpt.named_parameters()}
-    with torch.no_grad():  # the gradients in the weights' places: the export path names them as HF does
-        for p in gpt.parameters():
-            p.copy_(p.grad)
-    grads = {name: t.clone() for name, t in hf_tensors(state)}
-    with torch.no_grad():
-        for name, p in gpt.named_parameters():
-            p.copy_(saved[name])
+    grads = hf_named_grads(state)  # the export path's names
     return {"loss": (total / n).item(), "metrics": objective._summary([report], torch.device("cpu")), "grads": grads,
             "answers": sorted(tuple(batch["tokens"][r, i].tolist() + [batch["labels"][r, i][-1].item()])
                               for r, i in _answer_spans(batch))}

@@ -114,7 +114,7 @@ def _ours(root: str) -> dict:
     from training.data.streams import micro_batch_streams
     from training.engine.build import build
     from training.engine.step import forward_step
-    from training.interop.hf import hf_tensors
+    from hf_interop import hf_named_grads
     from training.parallel import dist as D
     from training.parallel.wrap import unwrap
     from training.post.rl.loss import LossConfig
@@ -141,14 +141,7 @@ def _ours(root: str) -> dict:
             output, _ = forward_step(iter([batch]), gpt)  # [B, s] token losses
             loss, count, _ = objective._loss(batch, output)
             (loss / count).backward()  # Megatron-Core's per-token normalisation: the sum over the count
-            saved = {name: p.detach().clone() for name, p in gpt.named_parameters()}
-            with torch.no_grad():  # the gradients in the weights' places: the export path names them as HF does
-                for p in gpt.parameters():
-                    p.copy_(p.grad)
-            grads = {name: t.clone() for name, t in hf_tensors(state)}
-            with torch.no_grad():
-                for name, p in gpt.named_parameters():
-                    p.copy_(saved[name])
+            grads = hf_named_grads(state)  # the export path's names
             out[case] = {"loss": (loss / count).item(), "grads": grads}
     return out
 

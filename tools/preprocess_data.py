@@ -246,19 +246,14 @@ def run(argv: list[str]) -> int:
                               args.data_format)
     except OSError as err:  # an unreadable input, an unwritable output folder
         raise TemplateError(f"{err.filename}: {err.strerror}" if err.filename else str(err)) from err
-    if args.data_format == "preference":
+    if sft:  # conversations or pairs
         meta = json.loads(Path(f"{args.output_prefix}.json").read_text())
+        counted = f"{meta['documents'] // 2} pairs" if args.data_format == "preference" else \
+            f"{meta['documents']} conversations"
+        skipped = "" if args.data_format == "preference" else f", {meta['dropped']} empty records skipped"
         print(f"wrote {args.output_prefix}.bin/.idx/.json and {chat.mask_prefix(args.output_prefix)}.bin/.idx "
-              f"({meta['documents'] // 2} pairs, {meta['tokens']} tokens, {meta['answer_tokens']} answer tokens; "
-              f"tokenizer {tokenizer.name}, chat template {meta['chat_template']}) from {len(inputs)} file(s): "
-              f"{progress.line()}")
-        return 0
-    if sft:
-        meta = json.loads(Path(f"{args.output_prefix}.json").read_text())
-        print(f"wrote {args.output_prefix}.bin/.idx/.json and {chat.mask_prefix(args.output_prefix)}.bin/.idx "
-              f"({meta['documents']} conversations, {meta['tokens']} tokens, {meta['answer_tokens']} answer tokens, "
-              f"{meta['dropped']} empty records skipped; tokenizer {tokenizer.name}, chat template "
-              f"{meta['chat_template']}) from {len(inputs)} file(s): {progress.line()}")
+              f"({counted}, {meta['tokens']} tokens, {meta['answer_tokens']} answer tokens{skipped}; tokenizer "
+              f"{tokenizer.name}, chat template {meta['chat_template']}) from {len(inputs)} file(s): {progress.line()}")
         return 0
     print(f"wrote {args.output_prefix}.bin/.idx/.json ({progress.tokens} tokens, tokenizer {tokenizer.name}) "
           f"from {len(inputs)} file(s): {progress.line()}")

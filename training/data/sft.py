@@ -157,8 +157,9 @@ def split_ranges(count: int, split_matrix) -> list[range]:
             for bounds in split_matrix]
 
 
-def build(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_data: bool):
-    """(train, valid) PackedConversations of at least the given sizes; None, None where needs_data is False."""
+def open_checked(cfg: Config, tokenizer, needs_data: bool, data_format: str = "sft"):
+    """Every data.paths prefix checked (training/data/sft.py's check); then, where this rank reads data, the
+    opened (tokens, mask) datasets and data.split's matrix, else None."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -169,11 +170,18 @@ def build(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_data: bool
 
     vocab_size = resolve_vocab_size(cfg, tokenizer)
     for prefix in cfg.data.paths:
-        check(prefix, tokenizer, vocab_size)
+        check(prefix, tokenizer, vocab_size, data_format=data_format)
     if not needs_data:
-        return None, None
+        return None
     split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.data.split))
-    opened = [(IndexedDataset(p), IndexedDataset(f"{p}{MASK_SUFFIX}")) for p in cfg.data.paths]
+    return [(IndexedDataset(p), IndexedDataset(f"{p}{MASK_SUFFIX}")) for p in cfg.data.paths], split_matrix
+
+
+def build(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_data: bool):
+    """(train, valid) PackedConversations of at least the given sizes; None, None where needs_data is False."""
+    if (found := open_checked(cfg, tokenizer, needs_data)) is None:
+        return None, None
+    opened, split_matrix = found
     out = []
     for k, (name, samples) in enumerate(zip(("train", "valid"), num_samples)):
         parts = [(t, m, split_ranges(len(t.sequence_lengths), split_matrix)[k]) for t, m in opened]

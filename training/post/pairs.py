@@ -23,9 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.config.paths import MASK_SUFFIX
 from training.config.schema import Config
-from training.data.sft import Conversations, best_fit, check, split_ranges
+from training.data.sft import Conversations, best_fit, open_checked, split_ranges
 from training.errors import ConfigError
 
 
@@ -103,21 +102,9 @@ def one_epoch(data: PackedPairs, multiple: int) -> tuple[PackedPairs, list[dict]
 
 def build(cfg: Config, tokenizer, num_samples: tuple[int, int], needs_data: bool):
     """(train, valid) PackedPairs of at least the given sizes; None, None where needs_data is False."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    from training.data.datasets import resolve_vocab_size
-
-    vocab_size = resolve_vocab_size(cfg, tokenizer)
-    for prefix in cfg.data.paths:
-        check(prefix, tokenizer, vocab_size, data_format="preference")
-    if not needs_data:
+    if (found := open_checked(cfg, tokenizer, needs_data, data_format="preference")) is None:
         return None, None
-    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.data.split))
-    opened = [(IndexedDataset(p), IndexedDataset(f"{p}{MASK_SUFFIX}")) for p in cfg.data.paths]
+    opened, split_matrix = found
     out = []
     for k, (name, samples) in enumerate(zip(("train", "valid"), num_samples)):
         parts = []
