@@ -10,6 +10,7 @@ convert_hf.py's main() run in-process, the --check line's number, and a checkpoi
 
 import contextlib
 import io
+import os
 import re
 from pathlib import Path
 
@@ -23,10 +24,16 @@ ARCH = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
 
 
 def convert_main(convert_hf, argv: list[str]) -> tuple[int, str, str]:
-    """tools/convert_hf.py main(argv) in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = convert_hf.main(argv)
+    """tools/convert_hf.py main(argv) in this process: (exit code, stdout, stderr). It sets RANK / WORLD_SIZE (a
+    world of one) for its own process group: the environment is restored, or a later test's tool would think it
+    runs under torchrun with one process."""
+    out, err, saved = io.StringIO(), io.StringIO(), dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = convert_hf.main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return code, out.getvalue(), err.getvalue()
 
 

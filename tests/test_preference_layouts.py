@@ -203,10 +203,14 @@ def test_the_memory_estimate_counts_the_live_reference_as_built_and_stored_score
             assert on_stage == est.reference > 0, (name, built, est.stage, est.reference)
 
 
+LAUNCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _evaluate(*args: str) -> dict:
     root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED}  # a tool run in-process may have set them
     proc = subprocess.run([sys.executable, "tools/evaluate.py", "--json", *args], cwd=root, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
