@@ -12,6 +12,7 @@ scored once (forward only) and kept in the cached micro-batches the `updates` st
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -71,8 +72,11 @@ class RLObjective:
     def prompt_of(self, k: int) -> tuple[list[int], dict]:
         """The k-th prompt of the run: epoch k // N in its own seeded order."""
         n = len(self.prompts)
-        order = np.random.default_rng([self.cfg.train.seed, k // n]).permutation(n)
-        return self.prompts[order[k % n]]
+        return self.prompts[self._order(k // n)[k % n]]
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - one objective a run; the epoch's order, not one a completion
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.cfg.train.seed, epoch]).permutation(len(self.prompts))
 
     def _rollout(self, state, layout, cfg: Config, device):
         g, gbs, micro, count = self.rl.group_size, cfg.train.global_batch_size, cfg.train.micro_batch_size, \
@@ -89,7 +93,7 @@ class RLObjective:
                                                                                [batch_index * gbs + i for i in mine]))
         for chunk in state.model:
             chunk.train()
-        samples = [{**record, "prompt": record["prompt"], "completion": self.tokenizer.decode(
+        samples = [{**record, "completion": self.tokenizer.decode(
             [t for t in ids if t != self.tokenizer.eod])} for (_, record), ids in zip(prompts, completions)]
         table, total = self.rewards(samples)
         full = torch.zeros(len(table) + 2, gbs, dtype=torch.float64, device=device)  # per function, total, length
